@@ -1,0 +1,85 @@
+"""Rewards for RLVR: batched verifiers ``(completions, **columns) -> list[float | None]``.
+
+``None`` means *cannot judge*: the item is skipped and counted, never silently 0 or 1. See
+docs/rewards.md. Modules:
+
+- ``combine``        the verifier contract (:class:`Scores`, :class:`Skip`), the registry
+                     (:func:`build_verifier`) and the weighted :func:`combine`
+- ``format``         R1 ``<think>…</think>`` + exactly one answer; the shared answer-span grammar
+- ``math_verifier``  math-verify in killable worker processes, exact-integer fast path
+- ``length``         DAPO soft overlong punishment, plain length penalty
+- ``passk``          unbiased pass@k (Chen et al. 2021), per-level aggregation, standard errors
+- ``code``           unit tests in the sandbox; imported only when the ``code`` verifier is built
+
+(The math module is ``math_verifier``, not ``math``: a ``math.py`` here would become the stdlib
+``math`` for any script run from this folder, and ``posttrain.rewards.math`` would shadow any
+``math`` name bound in this package.)
+"""
+
+from __future__ import annotations
+
+from posttrain.rewards.combine import (
+    CombinedRewards,
+    Scores,
+    Skip,
+    Verifier,
+    VerifierInputError,
+    VerifierName,
+    VerifierStats,
+    WeightedVerifier,
+    build_verifier,
+    combine,
+)
+from posttrain.rewards.format import (
+    ThinkMode,
+    answer_span,
+    extract_answer,
+    final_answer,
+    format_answer,
+    format_reward,
+)
+from posttrain.rewards.length import (
+    LengthUnit,
+    length_penalty,
+    overlong_penalty,
+    soft_overlong,
+)
+from posttrain.rewards.math_verifier import MathVerifier
+from posttrain.rewards.passk import (
+    PassAtK,
+    ProblemOutcome,
+    pass_at_k,
+    pass_at_k_by_level,
+    pass_at_k_naive,
+    stderr_of_mean,
+)
+
+__all__ = [
+    "CombinedRewards",
+    "LengthUnit",
+    "MathVerifier",
+    "PassAtK",
+    "ProblemOutcome",
+    "Scores",
+    "Skip",
+    "ThinkMode",
+    "Verifier",
+    "VerifierInputError",
+    "VerifierName",
+    "VerifierStats",
+    "WeightedVerifier",
+    "answer_span",
+    "build_verifier",
+    "combine",
+    "extract_answer",
+    "final_answer",
+    "format_answer",
+    "format_reward",
+    "length_penalty",
+    "overlong_penalty",
+    "pass_at_k",
+    "pass_at_k_by_level",
+    "pass_at_k_naive",
+    "soft_overlong",
+    "stderr_of_mean",
+]
