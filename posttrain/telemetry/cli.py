@@ -1,0 +1,119 @@
+"""Bodies of `posttrain roofline [--measure]` and `posttrain phases RUN_DIR` (registered in posttrain/cli.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from posttrain.telemetry.devices import (
+    PEAKS_TABLE,
+    Peaks,
+    cache_path,
+    detect,
+    load_cpu_peaks,
+    measure_cpu_peaks,
+    missing_peaks_message,
+)
+from posttrain.telemetry.gap import gaps_by_stage
+from posttrain.telemetry.phases import read_phases
+from posttrain.telemetry.roofline import place, ridge_point
+
+
+def _si(value: float | None, unit: str, scale: float = 1e9, digits: int = 1) -> str:
+    return "—" if value is None else f"{value / scale:,.{digits}f} {unit}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}%"
+
+
+def _frac(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.0f}%"
+
+
+def _roofs_table(peaks: Peaks) -> Table:
+    table = Table(title=f"{peaks.name} ({peaks.kind})")
+    for col in ("dtype", "peak compute", "peak bandwidth", "ridge point"):
+        table.add_column(col, justify="right" if col != "dtype" else "left")
+    for dtype, flops in peaks.flops.items():
+        ridge = ridge_point(flops, peaks.bytes_per_s) if peaks.bytes_per_s else None
+        table.add_row(dtype, _si(flops, "GFLOP/s"), _si(peaks.bytes_per_s, "GB/s"),
+                      "—" if ridge is None else f"{ridge:.1f} FLOP/B")
+    if not peaks.flops:
+        table.add_row("—", "unknown peak", _si(peaks.bytes_per_s, "GB/s"), "—")
+    return table
+
+
+def roofline_command(measure: bool, *, console: Console | None = None) -> None:
+    """Print the running device and its roofs; `measure` (CPU) measures now and caches the result."""
+    console = console or Console()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu" and measure:
+        console.print("measuring this CPU (matmul per dtype, streaming read; a few seconds)…")
+        peaks = measure_cpu_peaks(dtypes=("fp32", "bf16", "fp16"))
+        console.print(f"cached in {cache_path()}")
+    elif device.type == "cpu":
+        peaks = load_cpu_peaks() or detect(device)
+    else:
+        peaks = detect(device)
+    console.print(_roofs_table(peaks))
+    console.print(f"source: {peaks.source}")
+    problem = missing_peaks_message(peaks, "fp32" if device.type == "cpu" else "bf16")
+    if problem:
+        console.print(f"[yellow]{problem}[/yellow]")
+    if device.type != "cpu":
+        return
+    console.print(f"[dim]known accelerators: {', '.join(s.name for s in PEAKS_TABLE)}[/dim]")
+
+
+def phases_command(run_dir: Path, *, console: Console | None = None) -> None:
+    """Print the per-phase roofline table of each stage of a run, and its cycle gap."""
+    console = console or Console()
+    run_dir = Path(run_dir)
+    phases_path, device_path = run_dir / "phases.jsonl", run_dir / "device.json"
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist; expected a folder written by "
+                                "`posttrain run` (runs/<name>/)")
+    if not phases_path.is_file():
+        raise FileNotFoundError(f"{phases_path} not found: this run recorded no phases "
+                                "(was it started with telemetry, and did a stage reach its first step?)")
+    records = read_phases(phases_path)
+    if device_path.is_file():
+        device = json.loads(device_path.read_text())
+        peaks, dtype = Peaks.from_json(device), device.get("dtype", "fp32")
+    else:
+        peaks, dtype = Peaks(name="unknown (no device.json)", kind="?"), "fp32"
+    peak_flops, peak_bw = peaks.flops_for(dtype), peaks.bytes_per_s
+    console.print(f"[bold]{run_dir}[/bold] — {peaks.name}, {dtype}: compute roof "
+                  f"{_si(peak_flops, 'GFLOP/s')}, bandwidth roof {_si(peak_bw, 'GB/s')}")
+    problem = missing_peaks_message(peaks, dtype)
+    if problem:
+        console.print(f"[yellow]{problem}[/yellow]")
+    if not records:
+        console.print("no phase records yet")
+        return
+
+    for stage, g in gaps_by_stage(records, peak_flops=peak_flops, peak_bytes_per_s=peak_bw).items():
+        table = Table(title=f"stage {stage}: {g.cycles} step(s), {g.seconds:.2f} s in phases")
+        for col in ("phase", "time share", "seconds", "GFLOP/s", "GB/s", "FLOP/B", "% compute roof",
+                    "% bandwidth roof", "verdict", "busy"):
+            table.add_column(col, justify="left" if col in ("phase", "verdict") else "right")
+        for s in g.phases:
+            p = place(s.flops, s.bytes, s.seconds, peak_flops=peak_flops, peak_bytes_per_s=peak_bw)
+            table.add_row(s.name, _frac(s.share), f"{s.seconds:.3f}", _si(p.flops_per_s, ""),
+                          _si(p.bytes_per_s, ""), "—" if p.intensity is None else f"{p.intensity:.2f}",
+                          _pct(p.pct_compute_roof), _pct(p.pct_bandwidth_roof), p.bound.value, _frac(s.busy))
+        console.print(table)
+        console.print(f"cycle: achieved {_frac(g.utilization)} of the compute roof (time-weighted), "
+                      f"{_frac(g.efficiency)} of each phase's own roof — busy line reads {_frac(g.busy)}")
+        if g.projections:
+            proj = Table(title=f"projection at other rollout:update ratios (measured {g.rollout_update_ratio:.1f}:1)")
+            for col in ("rollout:update", "% compute roof", "busy"):
+                proj.add_column(col, justify="right")
+            for p in g.projections:
+                proj.add_row(f"{p.ratio:g}:1", _frac(p.utilization), _frac(p.busy))
+            console.print(proj)

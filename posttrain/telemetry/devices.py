@@ -1,0 +1,286 @@
+"""Device peaks: a cited table for accelerators, detection of the running device, CPU measurement.
+
+Every figure is a *dense* peak (no 2:4 structured sparsity — vendor sheets print the sparse figure
+first, twice the dense one, marked with an asterisk). `fp32` is the non-tensor-core FP32 rate: what
+`torch.matmul` in float32 gets with PyTorch's default `allow_tf32=False`; `tf32` is listed apart.
+`bf16`/`fp16` are tensor-core rates with FP32 accumulate (what training uses).
+
+Departures:
+1. Peaks are vendor maxima at boost clock; sustained matmul throughput is typically 70–90% of them
+   (the H200 here measures ≈790 of 989 TFLOP/s bf16), so a perfectly compute-bound phase will not
+   show 100% of the compute roof.
+2. A CPU has no datasheet we can trust (turbo, AVX-512/AMX, SMT, the cores a container gets), so
+   its roofs are measured, not looked up: `measure_cpu_peaks` (see its docstring for how).
+3. An unknown device never yields 0: peaks stay None, verdicts read "unknown", and the message says
+   how to give them (environment variables or the recipe's telemetry fields).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.telemetry.costs import dtype_name
+
+ENV_PEAK_FLOPS = "POSTTRAIN_PEAK_FLOPS"
+ENV_PEAK_BYTES = "POSTTRAIN_PEAK_BYTES_PER_S"
+ENV_CACHE_DIR = "POSTTRAIN_CACHE_DIR"
+
+HOW_TO_GIVE_PEAKS = (
+    f"set {ENV_PEAK_FLOPS}=<dense FLOP/s at the run dtype, e.g. 3.12e14> and "
+    f"{ENV_PEAK_BYTES}=<memory bytes/s, e.g. 2.0e12>, or the recipe's telemetry.peak_flops / "
+    "telemetry.peak_bytes_per_s; on a CPU run `posttrain roofline --measure`"
+)
+
+T = 1e12
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One row of the peaks table: dense FLOP/s per dtype, memory bandwidth in bytes/s, the source."""
+
+    name: str
+    flops: dict[str, float]
+    bytes_per_s: float
+    source: str
+    pattern: str  # regex matched (case-insensitive) against torch.cuda.get_device_name()
+
+
+# Ordered: the first pattern that matches wins, so more specific names come first.
+PEAKS_TABLE: tuple[DeviceSpec, ...] = (
+    DeviceSpec("NVIDIA H200 NVL", {"fp32": 60.0 * T, "tf32": 417.8 * T, "bf16": 835.6 * T, "fp16": 835.6 * T},
+               4.8 * T, "NVIDIA H200 Tensor Core GPU datasheet, H200 NVL column (dense)", r"\bH200\b.*NVL"),
+    DeviceSpec("NVIDIA H200", {"fp32": 66.9 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T},
+               4.8 * T, "NVIDIA H200 Tensor Core GPU datasheet (SXM; dense = half the starred sparse figures)",
+               r"\bH200\b"),
+    DeviceSpec("NVIDIA H100 NVL", {"fp32": 60.0 * T, "tf32": 417.8 * T, "bf16": 835.5 * T, "fp16": 835.5 * T},
+               3.9 * T, "NVIDIA H100 Tensor Core GPU datasheet, H100 NVL column (dense)", r"\bH100\b.*NVL"),
+    DeviceSpec("NVIDIA H100 PCIe", {"fp32": 51.2 * T, "tf32": 378.0 * T, "bf16": 756.0 * T, "fp16": 756.0 * T},
+               2.0 * T, "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (dense)",
+               r"\bH100\b.*PCIe"),
+    DeviceSpec("NVIDIA H100 SXM", {"fp32": 66.9 * T, "tf32": 494.7 * T, "bf16": 989.4 * T, "fp16": 989.4 * T},
+               3.35 * T, "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (dense)",
+               r"\bH100\b"),
+    DeviceSpec("NVIDIA A100 80GB PCIe", {"fp32": 19.5 * T, "tf32": 156.0 * T, "bf16": 312.0 * T, "fp16": 312.0 * T},
+               1.935 * T, "NVIDIA A100 datasheet, 80GB PCIe column (dense)", r"\bA100\b.*80GB.*PCIe"),
+    DeviceSpec("NVIDIA A100 80GB SXM", {"fp32": 19.5 * T, "tf32": 156.0 * T, "bf16": 312.0 * T, "fp16": 312.0 * T},
+               2.039 * T, "NVIDIA A100 datasheet, 80GB SXM column (dense)", r"\bA100\b.*80GB"),
+    DeviceSpec("NVIDIA A100 40GB", {"fp32": 19.5 * T, "tf32": 156.0 * T, "bf16": 312.0 * T, "fp16": 312.0 * T},
+               1.555 * T, "NVIDIA A100 datasheet, 40GB column (PCIe and SXM share 1,555 GB/s; dense)",
+               r"\bA100\b"),
+    DeviceSpec("NVIDIA L40S", {"fp32": 91.6 * T, "tf32": 183.0 * T, "bf16": 362.05 * T, "fp16": 362.05 * T},
+               0.864 * T, "NVIDIA L40S datasheet (dense; sheet's starred figures are sparse)", r"\bL40S\b"),
+    DeviceSpec("NVIDIA L4", {"fp32": 30.3 * T, "tf32": 60.0 * T, "bf16": 121.0 * T, "fp16": 121.0 * T},
+               0.300 * T, "NVIDIA L4 datasheet (dense = half of the 242 TFLOP/s sparse bf16)", r"\bL4\b"),
+    DeviceSpec("NVIDIA A10G", {"fp32": 35.0 * T, "tf32": 35.0 * T, "bf16": 70.0 * T, "fp16": 70.0 * T},
+               0.600 * T, "AWS G5 A10G (no NVIDIA datasheet; figures as compiled by Baseten, 'NVIDIA A10 vs "
+               "A10G for ML model inference', 2023 — lower confidence than the other rows)", r"\bA10G\b"),
+    DeviceSpec("NVIDIA GeForce RTX 4090", {"fp32": 82.6 * T, "tf32": 82.6 * T, "bf16": 165.2 * T, "fp16": 165.2 * T},
+               1.008 * T, "NVIDIA Ada Lovelace architecture whitepaper, appendix (FP16/BF16 tensor with FP32 "
+               "accumulate, dense; the 330 TFLOP/s figure is FP16-accumulate)", r"RTX 4090"),
+    DeviceSpec("AMD Instinct MI300X", {"fp32": 163.4 * T, "tf32": 653.7 * T, "bf16": 1307.4 * T, "fp16": 1307.4 * T},
+               5.3 * T, "AMD Instinct MI300X datasheet (dense; 2,614.9 TFLOP/s is with sparsity)", r"MI300X"),
+    DeviceSpec("NVIDIA B200", {"fp32": 75.0 * T, "tf32": 1100.0 * T, "bf16": 2250.0 * T, "fp16": 2250.0 * T},
+               7.7 * T, "NVIDIA HGX B200 specifications, per GPU (dense = half of the 4.5 PFLOP/s sparse bf16)",
+               r"\bB200\b"),
+)
+
+
+@dataclass
+class Peaks:
+    """The roofs of one device. A missing figure is None, never 0."""
+
+    name: str
+    kind: str
+    flops: dict[str, float] = field(default_factory=dict)
+    bytes_per_s: float | None = None
+    source: str = ""
+
+    def flops_for(self, dtype: torch.dtype | str) -> float | None:
+        return self.flops.get(dtype_name(dtype))
+
+    def to_json(self, dtype: torch.dtype | str) -> dict[str, Any]:
+        """The device.json object of docs/run_dir.md."""
+        return {"name": self.name, "kind": self.kind,
+                "peaks": {"flops": dict(self.flops), "bytes_per_s": self.bytes_per_s},
+                "source": self.source, "dtype": dtype_name(dtype)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Peaks:
+        peaks = obj.get("peaks", {})
+        return cls(name=obj.get("name", "?"), kind=obj.get("kind", "?"), flops=dict(peaks.get("flops") or {}),
+                   bytes_per_s=peaks.get("bytes_per_s"), source=obj.get("source", ""))
+
+
+def lookup(device_name: str) -> DeviceSpec | None:
+    """The table row whose pattern matches a device name such as 'NVIDIA A100-SXM4-80GB'."""
+    for spec in PEAKS_TABLE:
+        if re.search(spec.pattern, device_name, flags=re.IGNORECASE):
+            return spec
+    return None
+
+
+def _env_overrides(peaks: Peaks, dtype: str) -> Peaks:
+    flops_env, bytes_env = os.environ.get(ENV_PEAK_FLOPS), os.environ.get(ENV_PEAK_BYTES)
+    notes = []
+    for var, text in ((ENV_PEAK_FLOPS, flops_env), (ENV_PEAK_BYTES, bytes_env)):
+        if text is None:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{var}={text!r}: expected a positive number such as 3.12e14") from None
+        if not value > 0:
+            raise ValueError(f"{var}={text!r}: expected a positive number such as 3.12e14")
+        if var == ENV_PEAK_FLOPS:
+            peaks.flops[dtype] = value
+        else:
+            peaks.bytes_per_s = value
+        notes.append(f"{var}={text}")
+    if notes:
+        peaks.source = (peaks.source + "; " if peaks.source else "") + "overridden by " + ", ".join(notes)
+    return peaks
+
+
+def detect(device: torch.device | str, dtype: torch.dtype | str = "fp32", *,
+           peak_flops: float | None = None, peak_bytes_per_s: float | None = None,
+           measure_cpu: bool = False) -> Peaks:
+    """The peaks of `device` at `dtype`: table (CUDA/ROCm), cache or measurement (CPU), then overrides.
+
+    Precedence, last wins: table or CPU cache → env vars → explicit `peak_flops`/`peak_bytes_per_s`
+    (the recipe's fields). On a CPU without a cached measurement, `measure_cpu=True` measures now
+    (a few seconds, then cached); otherwise the peaks stay unknown.
+    """
+    device = torch.device(device)
+    dt = dtype_name(dtype)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(index)
+        spec = lookup(name)
+        peaks = Peaks(name=name, kind="cuda")
+        if spec is not None:
+            peaks.flops, peaks.bytes_per_s = dict(spec.flops), spec.bytes_per_s
+            peaks.source = f"table: {spec.name} — {spec.source}"
+        else:
+            peaks.source = f"unknown peak: {name!r} is not in posttrain's table; {HOW_TO_GIVE_PEAKS}"
+    elif device.type == "cpu":
+        measured = load_cpu_peaks()
+        if measured is None and measure_cpu:
+            measured = measure_cpu_peaks()
+        peaks = measured or Peaks(name=cpu_name(), kind="cpu",
+                                  source=f"unknown peak: no CPU measurement cached; {HOW_TO_GIVE_PEAKS}")
+    else:
+        peaks = Peaks(name=str(device), kind=device.type,
+                      source=f"unknown peak: no table entry for device type {device.type!r}; {HOW_TO_GIVE_PEAKS}")
+    peaks = _env_overrides(peaks, dt)
+    if peak_flops is not None or peak_bytes_per_s is not None:
+        if peak_flops is not None:
+            peaks.flops[dt] = float(peak_flops)
+        if peak_bytes_per_s is not None:
+            peaks.bytes_per_s = float(peak_bytes_per_s)
+        peaks.source += "; overridden by the recipe's telemetry peaks"
+    return peaks
+
+
+def missing_peaks_message(peaks: Peaks, dtype: torch.dtype | str) -> str | None:
+    """None when both roofs at `dtype` are known; else a sentence saying which is missing and how to give it."""
+    missing = []
+    if peaks.flops_for(dtype) is None:
+        missing.append(f"{dtype_name(dtype)} FLOP/s")
+    if peaks.bytes_per_s is None:
+        missing.append("memory bytes/s")
+    if not missing:
+        return None
+    return f"unknown peak ({' and '.join(missing)}) for {peaks.name!r}: {HOW_TO_GIVE_PEAKS}"
+
+
+# ---- CPU ------------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def cache_path() -> Path:
+    base = Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "posttrain")
+    return base / f"roofline-{socket.gethostname()}.json"
+
+
+def load_cpu_peaks() -> Peaks | None:
+    """The cached measurement for this machine, if it was taken with the current thread count."""
+    path = cache_path()
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if obj.get("threads") != torch.get_num_threads():
+        return None  # measured with a different number of threads: the roof moved
+    return Peaks.from_json(obj)
+
+
+def _best_rate(fn: Any, work: float, seconds: float) -> float:
+    """Best work/s over repeats of fn() for about `seconds` (best, not mean: the roof is a maximum)."""
+    fn()  # warm-up: first call pays allocation and kernel selection
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while True:
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        best = max(best, work / dt)
+        if time.perf_counter() > deadline:
+            return best
+
+
+def _matmul_rate(n: int, dtype: str, seconds: float) -> float:
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    a = torch.randn(n, n).to(torch_dtype)
+    b = torch.randn(n, n).to(torch_dtype)
+    return _best_rate(lambda: torch.matmul(a, b), 2.0 * n**3, seconds)
+
+
+def _read_rate(mib: int, seconds: float) -> float:
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    return _best_rate(lambda: x.sum(), float(x.numel() * 4), seconds)
+
+
+def measure_cpu_peaks(*, matmul_n: int = 2048, stream_mib: int = 256, seconds_each: float = 1.0,
+                      dtypes: tuple[str, ...] = ("fp32", "bf16"), save: bool = True) -> Peaks:
+    """Measure this CPU's roofs with torch, at the current `torch.get_num_threads()`.
+
+    - Compute: best-of-repeats rate of an n × n @ n × n `torch.matmul` per dtype, counted as 2n³ FLOPs.
+    - Bandwidth: best-of-repeats rate of `x.sum()` over a `stream_mib` MiB float32 tensor (well past
+      the last-level cache), counted as the tensor's bytes read once — a streaming read.
+    Takes about `seconds_each` × (len(dtypes) + 1) seconds. Saved to `cache_path()` unless `save=False`.
+    """
+    flops = {name: _matmul_rate(matmul_n, name, seconds_each) for name in dtypes}
+    bandwidth = _read_rate(stream_mib, seconds_each)
+    notes = [f"matmul {matmul_n}x{matmul_n} best of repeats over {seconds_each:g}s per dtype",
+             f"streaming read: sum() over {stream_mib} MiB fp32, best of repeats"]
+    threads = torch.get_num_threads()
+    peaks = Peaks(name=cpu_name(), kind="cpu", flops=flops, bytes_per_s=bandwidth,
+                  source=(f"measured by `posttrain roofline --measure` on {socket.gethostname()} with "
+                          f"torch {torch.__version__}, {threads} threads: " + "; ".join(notes)))
+    if save:
+        path = cache_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        obj = peaks.to_json("fp32") | {"threads": threads, "measured_at": time.time()}
+        path.write_text(json.dumps(obj, indent=2) + "\n")
+    return peaks
+
+
+def peaks_table_rows() -> list[dict[str, Any]]:
+    """The table as plain rows (for docs and the CLI)."""
+    return [asdict(spec) for spec in PEAKS_TABLE]
