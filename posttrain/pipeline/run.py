@@ -1,0 +1,200 @@
+"""Run a recipe: validate everything first, then the stages in order, evals between them, resume.
+
+Nothing is written before the recipe and every data file it names have been validated, so bad input
+never leaves a half-made run directory. The pipeline owns resume: a stage with a `final/` checkpoint is
+done and skipped; a stage with step checkpoints continues from the newest; metrics logged after that
+checkpoint by the killed run are dropped so the streams read as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from posttrain.data import encode_sft_dataset, read_jsonl
+from posttrain.models import build_tiny, count_parameters, load_model, load_tokenizer, train_tokenizer
+from posttrain.models.tiny import PRESETS
+from posttrain.pipeline.checkpoint import CheckpointError, final_checkpoint, latest_checkpoint, publish
+from posttrain.pipeline.config import Recipe, dump_recipe
+from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.pipeline.evals import EvalRecord, arithmetic_evals, as_json
+from posttrain.stages.pretrain import run_pretrain
+from posttrain.stages.sft import run_sft
+from posttrain.telemetry import JsonlSink, Telemetry
+from posttrain.worlds.arithmetic import ArithmeticWorld
+
+STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft": run_sft}
+BASE = "base"  # checkpoints/base: the initial model (built from scratch or loaded)
+
+
+class RunError(ValueError):
+    """A run that cannot start (existing folder, nothing to resume)."""
+
+
+def validate_inputs(recipe: Recipe, tokenizer) -> None:
+    """Read and encode every data file the recipe names, before anything is written.
+
+    Raises DataError naming the file, the line and the field (or the over-long record)."""
+    for stage in recipe.stages:
+        for src in getattr(stage, "data", []):
+            if src.path is None:
+                continue
+            records = read_jsonl(src.path, stage.stage).records
+            if stage.stage == "sft" and stage.truncation == "error":
+                encode_sft_dataset(records, tokenizer, stage.max_len, truncation="error")
+
+
+def check_model_init(recipe: Recipe) -> None:
+    init = recipe.model.init
+    if init not in PRESETS and not (Path(init) / "config.json").is_file():
+        raise RunError(f"model.init: {init!r} is neither a tiny preset {sorted(PRESETS)} nor a folder with a config.json")
+
+
+def prepare_run_dir(run_dir: Path, *, resume: bool, fresh: bool) -> None:
+    if resume:
+        if not any((run_dir / "checkpoints").glob("*/*/trainer_state.json")) if (run_dir / "checkpoints").is_dir() else True:
+            raise CheckpointError(f"{run_dir}: --resume, but this folder holds no checkpoint to resume from")
+        return
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not fresh:
+            raise RunError(f"{run_dir}: already holds a run; pass --resume to continue it or --out for a new folder")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_base(recipe: Recipe, world: ArithmeticWorld, console: Console):
+    """The initial (model, tokenizer), in memory: a tiny model with a tokenizer trained on the world,
+    or the user's model folder."""
+    m = recipe.model
+    if m.init in PRESETS:
+        # The tokenizer sees the world's pretraining prose and chat turns (as a real one sees broad text).
+        texts = list(world.pretrain_documents(5000, seed_offset=99))
+        texts += [f"user\n{ex[0]['content']}\nassistant\n{ex[1]['content']}" for ex in world.sft_split(2000, seed_offset=99)]
+        tok = train_tokenizer(texts, vocab_size=m.vocab_size)
+        model = build_tiny(m.init, vocab_size=len(tok), seed=recipe.seed, arch=m.arch, max_seq_len=m.max_seq_len,
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        console.print(f"base: {m.init} ({m.arch}) built from scratch, {count_parameters(model):,} parameters, vocabulary {len(tok)}")
+        return model, tok
+    tok, model = load_tokenizer(m.init), load_model(m.init)
+    console.print(f"base: loaded {m.init}, {count_parameters(model):,} parameters")
+    return model, tok
+
+
+def save_base(model, tok, run_dir: Path) -> Path:
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": 0, "stage": BASE, "final": True}))
+
+    return publish(run_dir / "checkpoints" / BASE / "final", write)
+
+
+def truncate_after(path: Path, keep: Callable[[dict], bool]) -> None:
+    """Rewrite a JSONL file keeping only records for which `keep` holds (atomic replace)."""
+    if not path.exists():
+        return
+    lines = []
+    for line in path.read_text().splitlines():
+        try:
+            if keep(json.loads(line)):
+                lines.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, path)
+
+
+def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: bool = False,
+                 console: Console | None = None) -> list[EvalRecord]:
+    console = console or Console()
+    check_model_init(recipe)
+    seed_everything(recipe.seed)
+    world = ArithmeticWorld(seed=recipe.world_seed)
+    base_done = final_checkpoint(run_dir / "checkpoints" / BASE) if resume else None
+    if base_done is not None:
+        start, tokenizer = base_done, load_tokenizer(base_done)
+    else:
+        base_model, tokenizer = make_base(recipe, world, console)
+    validate_inputs(recipe, tokenizer)  # before anything is written
+    prepare_run_dir(run_dir, resume=resume, fresh=fresh)
+    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    if base_done is None:
+        start = save_base(base_model, tokenizer, run_dir)
+        tokenizer = load_tokenizer(start)
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    device = torch.device(recipe.device)
+
+    # Resume: drop what the killed run logged after the checkpoint it will continue from.
+    done_stages = [s.folder for s in recipe.stages if final_checkpoint(run_dir / "checkpoints" / s.folder)]
+    for s in recipe.stages:
+        if s.folder in done_stages:
+            continue
+        ckpt = latest_checkpoint(run_dir / "checkpoints" / s.folder)
+        resumed_at = int(ckpt.name.split("-")[1]) if ckpt else 0
+        truncate_after(run_dir / "metrics.jsonl", lambda r, f=s.folder, k=resumed_at: r.get("stage") != f or r.get("step", 0) <= k)
+        truncate_after(run_dir / "phases.jsonl", lambda r, f=s.folder, k=resumed_at: r.get("stage") != f or r.get("step", 0) <= k)
+        break
+
+    t0 = time.perf_counter()
+    tc = recipe.telemetry
+    telemetry = Telemetry.open(run_dir, device=device, dtype=torch.bfloat16 if recipe.dtype == "bf16" else torch.float32,
+                               peak_flops=tc.peak_flops, peak_bytes_per_s=tc.peak_bytes_per_s,
+                               measure_cpu=tc.measure_cpu, busy_hz=tc.busy_hz, started=t0)
+    sink = JsonlSink(run_dir / "metrics.jsonl")
+    evals_path = run_dir / "evals.jsonl"
+    records: list[EvalRecord] = []
+    try:
+        for index, stage in enumerate(recipe.stages):
+            ctx = RunContext(run_dir=run_dir, recipe=recipe, device=device, tokenizer=tokenizer, world=world,
+                             telemetry=telemetry, sink=sink, start=start, console=console, t0=t0)
+            done = final_checkpoint(ctx.stage_dir(stage.folder))
+            if done is not None:
+                console.print(f"[dim]{stage.folder}: done, skipping")
+                start = done
+                continue
+            console.rule(f"[bold]{stage.folder}")
+            # Each stage starts from a known RNG state, so a stage re-run after a kill (before its first
+            # checkpoint) sees what the uninterrupted run saw; a resumed stage restores its saved state.
+            seed_everything(recipe.seed + 1000 * (index + 1))
+            result = STAGES[stage.stage](stage, ctx)
+            start = result.checkpoint
+            with telemetry.phase("eval", stage=stage.folder, step=stage.steps):
+                model = load_model(start, device=device)
+                stage_records = arithmetic_evals(model, tokenizer, world, recipe.eval, stage=stage.folder, checkpoint=str(start.relative_to(run_dir)))
+            with evals_path.open("a") as f:
+                for r in as_json(stage_records):
+                    f.write(json.dumps(r) + "\n")
+            records += stage_records
+    finally:
+        sink.close()
+        telemetry.close()
+    return read_evals(evals_path)
+
+
+def read_evals(path: Path) -> list[EvalRecord]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(EvalRecord(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError):
+            continue
+    return out

@@ -1,0 +1,92 @@
+"""What the optimizer-driven stages share, as functions: AdamW, warmup + cosine, and resumable state.
+
+Resume is exact: a checkpoint holds the weights, the optimizer and scheduler state, every RNG state
+and the stage's data position, so a run killed at any moment and resumed ends on the same weights, bit
+for bit on the CPU with a fixed seed and thread count (tests/test_resume.py kills real runs to prove it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from posttrain.models import load_model
+from posttrain.pipeline.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
+from posttrain.pipeline.config import OptimConfig, TrainStage
+from posttrain.pipeline.context import RunContext
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW; no decay on norms and biases (1-D parameters)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=False keeps the update order fixed, part of what makes resume bitwise on the CPU.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=False)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to lr, then cosine to lr × min_lr_ratio at `total_steps`."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@dataclass
+class Trainer:
+    """The model, its optimizer and schedule, and where the stage resumes from."""
+
+    model: PreTrainedModel
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    step: int  # optimizer steps already taken
+    data_state: dict[str, Any] | None  # the stage's data position, as it saved it
+
+
+def start_or_resume(ctx: RunContext, cfg: TrainStage) -> Trainer:
+    """Load the stage's start checkpoint — or its newest resumable one, restoring the whole state."""
+    resume_from = latest_checkpoint(ctx.stage_dir(cfg.folder))
+    model = load_model(resume_from or ctx.start, device=ctx.device)
+    model.train()
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = warmup_cosine(optimizer, cfg.optim, cfg.steps)
+    if resume_from is None:
+        return Trainer(model, optimizer, scheduler, step=0, data_state=None)
+    state = load_state(resume_from)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    ctx.console.print(f"[yellow]resuming {cfg.folder} from {resume_from.name} (step {state['step']})")
+    return Trainer(model, optimizer, scheduler, step=int(state["step"]), data_state=state.get("data"))
+
+
+def save(ctx: RunContext, cfg: TrainStage, t: Trainer, *, data_state: dict[str, Any] | None, final: bool = False) -> Path:
+    state = {
+        "stage": cfg.folder,
+        "step": t.step,
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict(),
+        "data": data_state,
+    }
+    return save_checkpoint(ctx.stage_dir(cfg.folder), t.model, ctx.tokenizer, state, keep_last=cfg.keep_last, final=final)
+
+
+def optimizer_step(t: Trainer, cfg: OptimConfig) -> float:
+    """Clip, step, schedule, zero. Returns the pre-clip gradient norm (a device sync point)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), cfg.grad_clip)
+    t.optimizer.step()
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    t.step += 1
+    return float(grad_norm)

@@ -1,0 +1,111 @@
+"""Supervised fine-tuning on demonstrations: token cross-entropy on response tokens only.
+
+The loss is normalized by the response tokens of the whole optimizer step (not per micro-batch), so
+`grad_accum` changes memory, never the gradient (posttrain.losses.sft). The data position (epoch,
+batch within it) is part of every checkpoint, so resume continues on exactly the next batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from posttrain.data import EncodedSFT, EpochSampler, collate_sft, encode_sft_dataset, mix, parse_record, read_jsonl
+from posttrain.data.records import SFTExample
+from posttrain.losses import sft_loss, token_logprobs
+from posttrain.pipeline.config import DataSource, SFTStage
+from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.stages._training import optimizer_step, save, start_or_resume
+from posttrain.telemetry import costs
+
+
+def load_sft_examples(ctx: RunContext, sources: list[DataSource], *, seed_offset: int = 0) -> list[SFTExample]:
+    """The stage's examples: each source read (and validated) whole, then mixed by weight."""
+    pools: list[tuple[list[SFTExample], float]] = []
+    for src in sources:
+        if src.path is not None:
+            pools.append((read_jsonl(src.path, "sft").records, src.weight))
+        else:
+            rows = ctx.world.sft_split(src.n, seed_offset=seed_offset)
+            pools.append(([parse_record({"messages": r}, "sft", where=f"world[{i}]") for i, r in enumerate(rows)], src.weight))
+    total = sum(len(p) for p, _ in pools)
+    return pools[0][0] if len(pools) == 1 else mix(pools, total, seed=ctx.recipe.seed)
+
+
+def sft_batch_loss(model, encoded: list[EncodedSFT], pad_id: int, num_tokens: float) -> tuple[torch.Tensor, int]:
+    """Response-token NLL of a micro-batch over the step's token count. Returns (loss, tokens)."""
+    b = collate_sft(encoded, pad_id)  # (B, T) each
+    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]  # (B, T-1, V)
+    targets = b.labels[:, 1:]
+    mask = (targets != -100).to(logits.dtype)
+    logps = token_logprobs(logits, targets.clamp_min(0))  # (B, T-1)
+    loss, stats = sft_loss(logps, mask, num_tokens=num_tokens)
+    return loss, int(stats.num_tokens)
+
+
+@torch.no_grad()
+def heldout_loss(model, encoded: list[EncodedSFT], pad_id: int, batch: int = 64) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(encoded), batch):
+        loss, n = sft_batch_loss(model, encoded[i : i + batch], pad_id, num_tokens=1)
+        total, count = total + float(loss), count + n
+    model.train()
+    return total / max(1, count)
+
+
+def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
+    # ---- setup ---------------------------------------------------------------------------------
+    tok = ctx.tokenizer
+    truncation = "error" if cfg.truncation == "error" else "right"
+    train, n_trunc = encode_sft_dataset(load_sft_examples(ctx, cfg.data), tok, cfg.max_len, truncation=truncation)
+    if n_trunc:
+        train = [e for e in train if not e.truncated]  # "drop": over-long examples are counted and left out
+        ctx.console.print(f"[yellow]sft: dropped {n_trunc} examples longer than max_len={cfg.max_len}")
+    world_val = [DataSource(world="arithmetic", n=cfg.heldout)] if cfg.heldout else []
+    val, _ = encode_sft_dataset(load_sft_examples(ctx, world_val, seed_offset=1) if world_val else [], tok, cfg.max_len, truncation="right")
+    t = start_or_resume(ctx, cfg)
+    sampler = EpochSampler(len(train), cfg.batch_size, seed=ctx.recipe.seed)
+    if t.data_state is not None:
+        sampler.load_state_dict(t.data_state)
+    micro = cfg.batch_size // cfg.grad_accum
+    mean_len = sum(len(e.input_ids) for e in train) / len(train)
+    ctx.console.print(
+        f"sft: {len(train):,} examples (mean {mean_len:.0f} tokens); {cfg.batch_size} sequences "
+        f"(≈{cfg.batch_size * mean_len:,.0f} tokens) per optimizer step in {cfg.grad_accum} micro-batches; "
+        f"{sampler.batches_per_epoch} steps per epoch; {cfg.steps} steps = {cfg.steps / sampler.batches_per_epoch:.2f} epochs"
+    )
+
+    # ---- loop ----------------------------------------------------------------------------------
+    with ctx.progress() as bar:
+        task = bar.add_task("sft", total=cfg.steps, completed=t.step, info="")
+        while t.step < cfg.steps:
+            step = t.step + 1
+            t0 = time.perf_counter()
+            batch = [train[i] for i in sampler.next_batch()]
+            num_tokens = sum(sum(1 for y in e.labels[1:] if y != -100) for e in batch)  # whole step's response tokens
+            seq_len = max(len(e.input_ids) for e in batch)
+            with ctx.phase("update", stage="sft", step=step, cost=costs.train_step(t.model.config, batch=len(batch), seq_len=seq_len)):
+                total = 0.0
+                for i in range(0, len(batch), micro):
+                    with ctx.autocast():
+                        loss, _ = sft_batch_loss(t.model, batch[i : i + micro], tok.pad_token_id, num_tokens)
+                    loss.backward()
+                    total += loss.item()
+                grad_norm = optimizer_step(t, cfg.optim)
+            metrics = {"loss/sft": total, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0],
+                       "train/tokens_per_s": len(batch) * seq_len / (time.perf_counter() - t0),
+                       "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch}
+            if val and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps):
+                with ctx.phase("eval", stage="sft", step=step):
+                    metrics["eval/loss"] = heldout_loss(t.model, val, tok.pad_token_id)
+            if step % cfg.log_every == 0 or "eval/loss" in metrics:
+                ctx.log("sft", step, metrics)
+            bar.update(task, completed=step, info=f"loss {total:.3f}  {metrics['train/tokens_per_s']:,.0f} tok/s")
+            if step % cfg.save_every == 0 and step < cfg.steps:
+                save(ctx, cfg, t, data_state=sampler.state_dict())
+
+    # ---- save ----------------------------------------------------------------------------------
+    final = save(ctx, cfg, t, data_state=sampler.state_dict(), final=True)
+    return StageResult(final, {k: v for k, v in metrics.items() if k.startswith(("loss/", "eval/"))})

@@ -1,0 +1,45 @@
+"""Shared fixtures: a tokenizer trained on the arithmetic world, tiny models built from it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def world():
+    from posttrain.worlds.arithmetic import ArithmeticWorld
+
+    return ArithmeticWorld(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(world):
+    from posttrain.models import train_tokenizer
+
+    texts = list(world.pretrain_documents(800))
+    texts += [f"user\n{ex[0]['content']}\nassistant\n{ex[1]['content']}" for ex in world.sft_split(300)]
+    return train_tokenizer(texts, vocab_size=512)
+
+
+def tiny_recipe_dict(**over) -> dict:
+    """A recipe small enough for tests: seconds per stage on 2 cores."""
+    d = {
+        "name": "t",
+        "seed": 0,
+        "threads": 2,
+        "model": {"init": "tiny-1m", "vocab_size": 400},
+        "eval": {"per_level": 8, "levels": ["L1", "L2"], "max_new_tokens": 24, "batch_size": 16},
+        "stages": [
+            {"stage": "pretrain", "steps": 8, "batch_size": 8, "seq_len": 64, "documents": 300,
+             "save_every": 3, "log_every": 1, "optim": {"lr": 3e-3, "warmup_steps": 2}},
+            {"stage": "sft", "steps": 8, "batch_size": 8, "max_len": 96, "heldout": 16,
+             "data": [{"world": "arithmetic", "n": 200}], "save_every": 3, "log_every": 1,
+             "optim": {"lr": 3e-3, "warmup_steps": 2}},
+        ],
+    }
+    d.update(over)
+    return d
