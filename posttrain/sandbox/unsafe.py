@@ -1,0 +1,88 @@
+"""The `unsafe-subprocess` backend: the same harness and verdicts, with no isolation at all.
+
+For hosts without bubblewrap or user namespaces, and only when the user selects it by name. The
+candidate runs as the caller, sees the whole filesystem, the network, the caller's files and (via
+/proc) other processes; rlimits (which root ignores for processes) and a process-group kill on the
+timeout are all it gets. Every run warns, loudly: this is not a sandbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from posttrain.sandbox.execution import HARNESS_SOURCE, Execution, Job, Limits, collect, job_spec
+
+log = logging.getLogger(__name__)
+
+
+class UnsafeSandboxWarning(UserWarning):
+    """Model-written code is running without isolation."""
+
+
+# Shown every time, not once per call site: the user must not forget this is on.
+warnings.filterwarnings("always", category=UnsafeSandboxWarning)
+
+WARNING = ("UNSAFE: running model-written code WITHOUT a sandbox (backend 'unsafe-subprocess'): it can "
+           "read and write your files, reach the network and signal your processes. Use the "
+           "'bubblewrap' backend on any machine you care about.")
+
+
+class UnsafeSubprocessSandbox:
+    name = "unsafe-subprocess"
+
+    def __init__(self, python: str | None = None) -> None:
+        self.python = str(Path(python or sys.executable).resolve())
+        self.warn()
+
+    @staticmethod
+    def warn() -> None:
+        log.warning(WARNING)
+        warnings.warn(WARNING, UnsafeSandboxWarning, stacklevel=3)
+
+    def run(self, job: Job, limits: Limits) -> Execution:
+        with tempfile.TemporaryDirectory(prefix="posttrain-unsafe-") as tmp:
+            work = Path(tmp)
+            (work / "harness.py").write_bytes(HARNESS_SOURCE)
+            stdin_path = None
+            if job.kind == "stdio":
+                stdin_path = str(work / "stdin")
+                (work / "stdin").write_text(job.stdin)
+            (work / "spec.marshal").write_bytes(job_spec(job, limits, stdin_path))
+            result_r, result_w = os.pipe()
+            start = time.monotonic()
+            try:
+                proc = subprocess.Popen(
+                    [self.python, "-I", "-S", "-B", str(work / "harness.py"), str(result_w),
+                     str(work / "spec.marshal")], cwd=work, env={}, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(result_w,),
+                    start_new_session=True)
+            except OSError as e:
+                os.close(result_r)
+                return Execution(error=f"could not start the interpreter: {e}")
+            finally:
+                os.close(result_w)
+            try:
+                with proc:
+                    ex = collect(proc, result_r, limits, start, lambda: _killpg(proc.pid),
+                                 kill_when_done=True)
+            finally:
+                os.close(result_r)
+                _killpg(proc.pid)  # whatever of the group is left; `setsid` escapes this, hence "unsafe"
+            if not ex.started and ex.error is None:
+                ex.error = f"the harness did not start: {ex.stderr.decode(errors='replace')[:2000]}"
+            return ex
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
