@@ -10,7 +10,6 @@ from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="LLM post-training from one YAML recipe, measured on the roofline.")
 console = Console()
@@ -32,10 +31,11 @@ def _guard(fn: Callable[[], T]) -> T:
     from posttrain.pipeline.checkpoint import CheckpointError
     from posttrain.pipeline.config import RecipeError
     from posttrain.pipeline.run import RunError
+    from posttrain.report import ReportError
 
     try:
         return fn()
-    except (RecipeError, DataError, CheckpointError, RunError, ModelLoadError) as e:
+    except (RecipeError, DataError, CheckpointError, RunError, ModelLoadError, ReportError) as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
@@ -52,31 +52,17 @@ def _run(recipe_path: Path, out: Path | None, resume: bool, overrides: list[str]
     recipe = _guard(lambda: load_recipe(recipe_path, overrides))
     run_dir = out or Path("runs") / recipe.name
     console.print(f"[bold]posttrain[/] {recipe_path} → {run_dir}")
-    records = _guard(lambda: run_pipeline(recipe, run_dir, resume=resume, fresh=fresh, console=console))
-    print_summary(records)
-    console.print(f"run folder: {run_dir}")
+    _guard(lambda: run_pipeline(recipe, run_dir, resume=resume, fresh=fresh, console=console))
+    _finish(run_dir)
 
 
-def print_summary(records) -> None:
-    from posttrain.pipeline.evals import level_name
+def _finish(run_dir: Path) -> None:
+    """Every run ends with the report and the terminal summary."""
+    from posttrain.report import summary_renderable, write_report
 
-    if not records:
-        return
-    stages = list(dict.fromkeys(r.stage for r in records))
-    table = Table(title="Evals across the pipeline (greedy, held-out)")
-    table.add_column("eval")
-    for s in stages:
-        table.add_column(s, justify="right")
-    keys = list(dict.fromkeys((r.eval, r.level, r.metric) for r in records))
-    by = {(r.stage, r.eval, r.level, r.metric): r for r in records}
-    for key in keys:
-        name = f"{key[0]} {level_name(key[1])} {key[2]}"
-        cells = []
-        for s in stages:
-            r = by.get((s, *key))
-            cells.append(f"{100 * r.value:.1f}% (n={r.n})" if r else "")
-        table.add_row(name, *cells)
-    console.print(table)
+    path = _guard(lambda: write_report(run_dir))
+    console.print(_guard(lambda: summary_renderable(run_dir)))
+    console.print(f"run folder: {run_dir}    report: {path}")
 
 
 @app.command()
@@ -100,6 +86,13 @@ def run(
 
 
 @app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> None:
+    """Write RUN_DIR/report.html (self-contained) and print the run's summary."""
+    _quiet_libraries()
+    _finish(run_dir)
+
+
+@app.command()
 def roofline(measure: Annotated[bool, typer.Option(help="measure this machine's peaks (CPU) instead of the cached/table values")] = False) -> None:
     """Print the device and its roofs."""
     from posttrain.telemetry.cli import roofline_command
@@ -112,7 +105,11 @@ def phases(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
     """Per-phase table of a run: time share, GFLOP/s, GB/s, intensity, % of roof, verdict, busy; the cycle gap."""
     from posttrain.telemetry.cli import phases_command
 
-    _guard(lambda: phases_command(run_dir))
+    try:
+        phases_command(run_dir)
+    except FileNotFoundError as e:  # no run folder / no phases.jsonl: a user error, not a crash
+        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 if __name__ == "__main__":
