@@ -29,10 +29,17 @@ from posttrain.pipeline.context import RunContext, StageResult
 from posttrain.pipeline.evals import EvalRecord, arithmetic_evals, as_json
 from posttrain.stages.pretrain import run_pretrain
 from posttrain.stages.sft import run_sft
+from posttrain.stages.reward_model import run_reward_model
+from posttrain.stages.dpo import run_dpo
+from posttrain.stages.ppo import run_ppo
+from posttrain.stages.grpo import run_grpo
+from posttrain.stages.rejection_sampling import run_rejection_sampling
 from posttrain.telemetry import JsonlSink, Telemetry
 from posttrain.worlds.arithmetic import ArithmeticWorld
 
-STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft": run_sft}
+STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft": run_sft, "grpo": run_grpo,
+                                                 "rejection_sampling": run_rejection_sampling,
+                                                 "reward_model": run_reward_model, "dpo": run_dpo, "ppo": run_ppo}
 BASE = "base"  # checkpoints/base: the initial model (built from scratch or loaded)
 
 
@@ -175,9 +182,11 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
             seed_everything(recipe.seed + 1000 * (index + 1))
             result = STAGES[stage.stage](stage, ctx)
             start = result.checkpoint
-            with telemetry.phase("eval", stage=stage.folder, step=stage.steps):
-                model = load_model(start, device=device)
-                stage_records = arithmetic_evals(model, tokenizer, world, recipe.eval, stage=stage.folder, checkpoint=str(start.relative_to(run_dir)))
+            # Between-stage evals are decode work: each generation batch is an `eval` phase with its cost.
+            model = load_model(start, device=device)
+            stage_records = arithmetic_evals(
+                model, tokenizer, world, recipe.eval, stage=stage.folder, checkpoint=str(start.relative_to(run_dir)),
+                phase=lambda s=stage.folder, k=stage.steps: telemetry.phase("eval", stage=s, step=k))
             with evals_path.open("a") as f:
                 for r in as_json(stage_records):
                     f.write(json.dumps(r) + "\n")
