@@ -1,0 +1,220 @@
+"""The native rollout backend: our own batched decode loop with a pre-allocated KV cache.
+
+Autoregressive sampling as in Radford et al. 2019 (GPT-2), with the KV cache of Pope et al. 2022
+("Efficiently Scaling Transformer Inference", §2): prefill the prompt once, then one forward per new
+token attending to the cached keys/values.
+
+Departures from `transformers` `generate` (numbered):
+1. Prefill runs once per *prompt*; its KV cache is then copied to the n samples of that prompt
+   (`KVCache.expand`) instead of prefilling n identical copies.
+2. The cache is allocated once for prompt + max_new_tokens and written in place (no per-step
+   concatenation); all rows share one write slot because prompts are left-padded.
+3. Finished rows stop costing work: once at most `compact_below` of the running rows are still
+   live, the batch (cache, masks, positions) is compacted to the live rows.
+4. Sampling is one pure function on fp32 logits (`sampling.sample`), no logits-processor objects;
+   its noise is drawn for all rows each step, so compaction never changes a sample.
+5. Llama-family models run through `FusedDecoder` (fused QKV / gate-up weights, no mask factory);
+   any other HF causal LM runs its own forward (`HFForward`) on the same cache.
+Device sync points: one per step (the live-row count decides whether to stop or compact; the EOS
+and stop-string checks read the sampled tokens). Stop strings cost one batched decode of a few tokens
+per live row per step, only when stop strings are given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedTokenizerBase
+
+from posttrain.rollout.fused import FusedDecoder, fused_unsupported_reason
+from posttrain.rollout.kv_cache import KVCache
+from posttrain.rollout.output import Rollout, assemble
+from posttrain.rollout.sampling import SamplingParams, draw_noise, sample
+from posttrain.rollout.text import (
+    StopStrings,
+    encode_prompts,
+    left_pad,
+    positions_from_mask,
+)
+
+
+def eos_ids_of(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
+    """Token ids that end a sequence: the tokenizer's EOS and the model's generation-config EOS(s)."""
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_cfg = getattr(model, "generation_config", None)
+    eos = getattr(gen_cfg, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    return sorted(ids)
+
+
+def pad_id_of(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, eos_ids: list[int]) -> int:
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    if pad is not None:
+        return int(pad)
+    if eos_ids:
+        return eos_ids[0]
+    raise ValueError("no pad token: the tokenizer and the model config have neither a pad nor an EOS id")
+
+
+class HFForward:
+    """The naive step: the model's own forward on our cache (works for any HF causal LM, 5.x API)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, ids: Tensor, positions: Tensor, cache: KVCache, key_mask: Tensor) -> Tensor:
+        """Shapes: ids/positions (R, q); key_mask (R, cache.length + q) bool → logits (R, V) fp32."""
+        out = self.model(input_ids=ids, attention_mask=key_mask, position_ids=positions, cache=cache.hf(),
+                         use_cache=True, logits_to_keep=1)
+        cache.advance(ids.shape[1])
+        return out.logits[:, -1].float()
+
+
+class NativeEngine:
+    """Batched sampling over an HF causal LM. Shares the module: weight updates are seen at once.
+
+    kernels: "auto" (fused for Llama-family, else HF forward), "fused", or "hf".
+    dtype: weight dtype for generation (fused kernels only), e.g. torch.bfloat16 for a fp32 policy;
+        None = the model's own. Log-probs are then those of the cast model.
+    compact_below: compact the batch when live rows ≤ this fraction of running rows (1.0 = as soon as
+        one row finishes, 0.0 = never).
+    """
+
+    name = "native"
+
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None, *,
+                 kernels: str = "auto", dtype: torch.dtype | None = None, compact_below: float = 0.875,
+                 eos_token_ids: Sequence[int] | None = None):
+        if kernels not in ("auto", "fused", "hf"):
+            raise ValueError(f"NativeEngine: kernels={kernels!r}; expected 'auto', 'fused' or 'hf'")
+        if not 0.0 <= compact_below <= 1.0:
+            raise ValueError(f"NativeEngine: compact_below={compact_below}; expected a fraction in [0, 1]")
+        self.model, self.tokenizer = model, tokenizer
+        reason = fused_unsupported_reason(model)
+        if kernels == "fused" and reason is not None:
+            raise ValueError(f"NativeEngine: kernels='fused' but {reason}")
+        use_fused = kernels == "fused" or (kernels == "auto" and reason is None)
+        model_dtype = next(model.parameters()).dtype
+        if not use_fused and dtype is not None and dtype != model_dtype:
+            raise ValueError(f"NativeEngine: dtype={dtype} differs from the model's {model_dtype}, which needs "
+                             f"the fused kernels ({reason or 'kernels=hf was asked for'}); cast the model instead")
+        self.kernels = "fused" if use_fused else "hf"
+        self.step = FusedDecoder(model, dtype) if use_fused else HFForward(model)
+        self.dtype = dtype or model_dtype
+        self.compact_below = compact_below
+        self.eos_ids = list(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model, tokenizer)
+        self.pad_id = pad_id_of(model, tokenizer, self.eos_ids)
+        cfg = model.config
+        self.layers = cfg.num_hidden_layers
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    def update_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> None:
+        """No copy needed when the engine shares the training module; a state dict is loaded into it."""
+        if isinstance(model_or_state_dict, dict):
+            self.model.load_state_dict(model_or_state_dict)
+        elif model_or_state_dict is not self.model:
+            self.model.load_state_dict(model_or_state_dict.state_dict())
+        # FusedWeights notices the change through the parameters' version counters at the next generate.
+
+    def _cache(self, rows: int, capacity: int, device: torch.device) -> KVCache:
+        return KVCache.allocate(layers=self.layers, rows=rows, kv_heads=self.kv_heads, capacity=capacity,
+                                head_dim=self.head_dim, dtype=self.dtype, device=device)
+
+    def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams) -> Rollout:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
+        device = next(self.model.parameters()).device
+        ids = encode_prompts(prompts, self.tokenizer)
+        was_training = self.model.training
+        self.model.eval()  # dropout off; restored below
+        try:
+            with torch.inference_mode():
+                raw = self._decode(ids, params, device)
+        finally:
+            self.model.train(was_training)
+        # Outside inference mode: the Rollout's tensors are ordinary tensors a training step may use.
+        return assemble(**raw, pad_id=self.pad_id, tokenizer=self.tokenizer,
+                        stops=StopStrings(params.stop, self.tokenizer))
+
+    def _decode(self, ids: list[list[int]], params: SamplingParams, device: torch.device) -> dict:
+        """The decode loop; returns the raw buffers `assemble` takes."""
+        n, budget = params.n, params.max_new_tokens
+        prompt_ids, prompt_mask = left_pad(ids, self.pad_id, device)          # (B, P)
+        batch, plen = prompt_ids.shape
+        if isinstance(self.step, FusedDecoder):
+            self.step.prepare(plen + budget, device)
+        rows = batch * n
+        stops = StopStrings(params.stop, self.tokenizer)
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(params.seed)
+
+        # Prefill once per prompt. With n = 1 the prefill cache is the decode cache (no copy).
+        cache = self._cache(batch, plen + budget if n == 1 else plen, device)
+        logits = self.step(prompt_ids, positions_from_mask(prompt_mask), cache, prompt_mask)  # (B, V)
+        if n > 1:
+            logits = logits.repeat_interleave(n, 0)                              # (R, V)
+        vocab = logits.shape[-1]
+
+        tokens = torch.full((rows, budget), self.pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((rows, budget), dtype=torch.float32, device=device)
+        policy = torch.zeros((rows, budget), dtype=torch.float32, device=device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        key_mask = torch.cat([prompt_mask.repeat_interleave(n, 0),
+                              torch.ones(rows, budget, dtype=torch.bool, device=device)], 1)  # (R, P + N)
+        next_pos = prompt_mask.sum(-1).repeat_interleave(n)                    # (R,) position of token 0
+        active = torch.arange(rows, device=device)   # original row of each running row
+        live = torch.ones(rows, dtype=torch.bool, device=device)  # running rows not yet finished
+        completions: list[list[int]] = [[] for _ in range(rows)] if stops.stops else []
+
+        for t in range(budget):
+            # Noise for every original row, then this step's running rows: samples do not depend on compaction.
+            noise = None if params.greedy else draw_noise(rows, vocab, gen, device)
+            full = active.numel() == rows                                      # not compacted yet: plain slices
+            tok, lp, plp = sample(logits, params, noise if full or noise is None else noise[active])  # (r,) each
+            if full:
+                tokens[:, t], logprobs[:, t], policy[:, t] = tok, lp, plp
+                lengths += live
+            else:
+                tokens[active, t], logprobs[active, t], policy[active, t] = tok, lp, plp
+                lengths[active] += live
+            done = live & torch.isin(tok, eos)
+            if stops.stops:
+                live_rows = live.nonzero()[:, 0].tolist()
+                orig = active.tolist()
+                tok_list = tok.tolist()
+                for j in live_rows:
+                    completions[orig[j]].append(tok_list[j])
+                hits = stops.hits([completions[orig[j]] for j in live_rows])
+                if any(hits):
+                    done[[j for j, h in zip(live_rows, hits) if h]] = True
+            stopped[active[done]] = True
+            live &= ~done
+            n_live = int(live.sum())                                           # device sync point
+            if n_live == 0 or t == budget - 1:
+                break
+            if t == 0 and n > 1:                                               # first decode step: share the prefill
+                cache = cache.expand(n, plen + budget)
+            if n_live <= self.compact_below * live.numel() and n_live < live.numel():
+                keep = live.nonzero()[:, 0]                                    # compaction: one copy of live rows
+                cache.select(keep)
+                active, live, tok = active[keep], live[keep], tok[keep]
+                key_mask = key_mask[keep]
+                next_pos = next_pos[keep]
+            pos = (next_pos + t)[:, None]                                      # (r, 1)
+            logits = self.step(tok[:, None], pos, cache, key_mask[:, : plen + t + 1])
+
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "n": n, "tokens": tokens,
+                "logprobs": logprobs, "policy_logprobs": policy, "lengths": lengths, "stopped": stopped}

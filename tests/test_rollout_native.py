@@ -1,0 +1,251 @@
+"""The native engine against `transformers` generate and against a teacher-forced forward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from posttrain.models import build_tiny, train_tokenizer
+from posttrain.rollout import (
+    HFEngine,
+    NativeEngine,
+    Rollout,
+    SamplingParams,
+    make_engine,
+)
+from posttrain.rollout.fused import rms_norm, rms_norm_fused
+from posttrain.rollout.sampling import process_logits
+
+CHI2_CRIT_DF3 = 16.266  # χ² critical value, 3 dof, α = 0.001
+
+
+@pytest.fixture(scope="module")
+def tok():
+    rng = random.Random(0)
+    texts = [f"{a} + {b} = {a + b}" for a, b in ((rng.randint(0, 999), rng.randint(0, 999)) for _ in range(300))]
+    return train_tokenizer(texts, vocab_size=512)
+
+
+def _model(tok, preset):
+    return build_tiny(preset, vocab_size=len(tok), seed=0, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny1m(tok):
+    return _model(tok, "tiny-1m")
+
+
+@pytest.fixture(scope="module")
+def tiny30m(tok):
+    return _model(tok, "tiny-30m")
+
+
+def prompts_of(tok, count=6):
+    """Mixed lengths: 3, 4, … tokens, so left padding is exercised."""
+    base = tok("12 + 345 = 357 and 9 + 8 = 17")["input_ids"]
+    return [base[i % 5: i % 5 + 3 + i] for i in range(count)]
+
+
+def teacher_forced(model, r: Rollout) -> torch.Tensor:
+    """Log-softmax logits at the positions that predicted each completion token. Shape: (R, N, V)."""
+    with torch.no_grad():
+        logits = model(input_ids=r.sequence_ids, attention_mask=r.sequence_mask, position_ids=r.position_ids).logits
+    p = r.prompt_ids.shape[1]
+    return logits[:, p - 1:-1].float()
+
+
+def min_greedy_margin(model, r: Rollout) -> float:
+    """Smallest top-1 − top-2 logit gap along the greedy path: the equality test needs it ≫ 1e-6."""
+    top2 = teacher_forced(model, r).topk(2, -1).values
+    gap = (top2[..., 0] - top2[..., 1])[r.completion_mask]
+    return float(gap.min())
+
+
+@pytest.mark.parametrize("preset, kernels", [
+    ("tiny-1m", "fused"), ("tiny-30m", "fused"),  # tiny-30m: GQA and untied head through the fused path
+    ("tiny-1m", "hf"),                             # the architecture-generic path (the model's own forward)
+])
+def test_greedy_equals_generate_token_for_token(tok, tiny1m, tiny30m, preset, kernels):
+    model = tiny1m if preset == "tiny-1m" else tiny30m
+    prompts = prompts_of(tok, 5)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    ref = HFEngine(model, tok).generate(prompts, params)
+    assert min_greedy_margin(model, ref) > 1e-4, "near-tie in the random model: the comparison would be brittle"
+    ours = NativeEngine(model, tok, kernels=kernels).generate(prompts, params)
+    assert torch.equal(ours.completion_ids, ref.completion_ids)
+    assert torch.equal(ours.completion_mask, ref.completion_mask)
+    assert ours.finish_reason == ref.finish_reason
+    assert ours.texts == ref.texts
+    assert torch.equal(ours.prompt_ids, ref.prompt_ids)
+    # both report the raw model's log-prob of the greedy token
+    assert (ours.policy_logprobs - ref.policy_logprobs).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("preset, kernels", [("tiny-30m", "fused"), ("tiny-1m", "hf")])
+def test_logprobs_match_a_teacher_forced_forward(tok, tiny1m, tiny30m, preset, kernels):
+    model = tiny1m if preset == "tiny-1m" else tiny30m
+    params = SamplingParams(n=3, temperature=0.8, top_k=20, top_p=0.95, max_new_tokens=10, seed=1)
+    r = NativeEngine(model, tok, kernels=kernels).generate(prompts_of(tok, 3), params)
+    tf = teacher_forced(model, r)                                                 # (R, N, V)
+    ids = r.completion_ids[..., None]
+    policy = tf.log_softmax(-1).gather(-1, ids)[..., 0]
+    rows, width, vocab = tf.shape
+    sampled = process_logits(tf.reshape(-1, vocab), params).log_softmax(-1).reshape(rows, width, vocab)
+    sampled = sampled.gather(-1, ids)[..., 0]
+    m = r.completion_mask
+    d_policy = float((policy - r.policy_logprobs)[m].abs().max())
+    d_sampled = float((sampled - r.logprobs)[m].abs().max())
+    print(f"max |engine − teacher-forced|: policy {d_policy:.2e}, sampling distribution {d_sampled:.2e}")
+    assert d_policy <= 1e-4
+    assert d_sampled <= 1e-4
+    assert (r.logprobs[~m] == 0).all() and (r.policy_logprobs[~m] == 0).all()
+
+
+def test_seeded_sampling_is_reproducible(tok, tiny1m):
+    engine = NativeEngine(tiny1m, tok)
+    prompts = prompts_of(tok, 3)
+    a = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=10, seed=7))
+    b = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=10, seed=7))
+    c = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=10, seed=8))
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    # the n samples of one prompt differ (they share the prefill, not the noise)
+    assert not torch.equal(a.completion_ids[0], a.completion_ids[1])
+    assert a.prompt_index.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+
+
+def test_engine_samples_the_models_next_token_distribution_by_chi2(tok, tiny1m):
+    """10k one-token samples of one prompt (prefill shared by all 10k rows) vs the model's top-4 softmax."""
+    prompt = prompts_of(tok, 1)
+    params = SamplingParams(n=10_000, top_k=4, max_new_tokens=1, seed=0)
+    r = NativeEngine(tiny1m, tok).generate(prompt, params)
+    with torch.no_grad():
+        logits = tiny1m(input_ids=torch.tensor(prompt)).logits[0, -1].float()
+    top = logits.topk(4)
+    q = top.values.softmax(-1)                                                   # the known distribution
+    first = r.completion_ids[:, 0]
+    assert set(first.tolist()) <= set(top.indices.tolist())                     # top-k never leaks
+    counts = torch.stack([(first == i).sum() for i in top.indices]).double()
+    chi2 = float(((counts - q * 10_000) ** 2 / (q * 10_000)).sum())
+    assert chi2 < CHI2_CRIT_DF3
+
+
+def test_eos_is_kept_in_the_completion_and_ends_the_row(tok, tiny1m):
+    # Declare the 40 lowest ids end-of-sequence so rows end early at random points.
+    eos = list(range(40))
+    r = NativeEngine(tiny1m, tok, eos_token_ids=eos).generate(prompts_of(tok), SamplingParams(
+        n=4, max_new_tokens=20, seed=3))
+    lengths = r.completion_lengths
+    assert (lengths < 20).any() and "stop" in r.finish_reason
+    for i, reason in enumerate(r.finish_reason):
+        last = int(r.completion_ids[i, lengths[i] - 1])
+        if reason == "stop":
+            assert last in eos                                       # the EOS token is in ids and mask
+            assert not any(t in eos for t in r.completion_ids[i, : lengths[i] - 1].tolist())
+        else:
+            assert lengths[i] == 20 and not any(t in eos for t in r.completion_ids[i, : lengths[i]].tolist())
+        assert (r.completion_ids[i, lengths[i]:] == tok.pad_token_id).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compaction_does_not_change_any_sample(tok, tiny1m, seed):
+    # 8 prompts × n = 2 with 40 "EOS" ids: rows end at random steps, the batch compacts several times
+    # (through 8 = the prompt count, where a bug once re-ran the prefill expansion)
+    prompts, eos = prompts_of(tok, 8), list(range(40))
+    params = SamplingParams(n=2, max_new_tokens=12, seed=seed)
+    never = NativeEngine(tiny1m, tok, eos_token_ids=eos, compact_below=0.0).generate(prompts, params)
+    always = NativeEngine(tiny1m, tok, eos_token_ids=eos, compact_below=1.0).generate(prompts, params)
+    assert (never.completion_lengths < 12).sum() >= 4                       # compaction really happened
+    assert torch.equal(never.completion_ids, always.completion_ids)
+    assert torch.allclose(never.policy_logprobs, always.policy_logprobs, atol=1e-5)
+    tf = teacher_forced(tiny1m, always).log_softmax(-1).gather(-1, always.completion_ids[..., None])[..., 0]
+    assert (tf - always.policy_logprobs)[always.completion_mask].abs().max() <= 1e-4  # compacted rows stay right
+
+
+def test_stop_string_truncates_the_text_and_matches_generate(tok, tiny1m):
+    prompts = prompts_of(tok, 3)
+    free = NativeEngine(tiny1m, tok).generate(prompts, SamplingParams(temperature=0, max_new_tokens=16))
+    stop = free.texts[0][3:5]                                                # occurs in row 0's greedy text
+    params = SamplingParams(temperature=0, max_new_tokens=16, stop=[stop])
+    ours = NativeEngine(tiny1m, tok).generate(prompts, params)
+    ref = HFEngine(tiny1m, tok).generate(prompts, params)
+    assert ours.finish_reason[0] == "stop"
+    end = free.texts[0].find(stop) + len(stop)
+    assert ours.texts[0] == free.texts[0][:end]                              # cut right after the stop string
+    k = int(ours.completion_lengths[0])
+    assert torch.equal(ours.completion_ids[0, :k], free.completion_ids[0, :k])   # a prefix of the free run
+    assert k < int(free.completion_lengths[0])
+    assert torch.equal(ours.completion_ids, ref.completion_ids)
+    assert ours.texts == ref.texts and ours.finish_reason == ref.finish_reason
+
+
+def test_weight_updates_are_seen_by_the_fused_copies(tok):
+    model = _model(tok, "tiny-1m")
+    engine = NativeEngine(model, tok, kernels="fused")
+    prompts, params = prompts_of(tok, 3), SamplingParams(temperature=0, max_new_tokens=8)
+    before = engine.generate(prompts, params)
+    with torch.no_grad():  # an "optimizer step": in-place change of every parameter
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.update_weights(model)  # a no-op for a shared module; the version counters do the work
+    after = engine.generate(prompts, params)
+    ref = HFEngine(model, tok).generate(prompts, params)
+    assert not torch.equal(before.completion_ids, after.completion_ids)
+    assert torch.equal(after.completion_ids, ref.completion_ids)
+
+
+def test_bf16_weights_give_the_bf16_models_logprobs(tok, tiny1m):
+    params = SamplingParams(max_new_tokens=8, seed=2)
+    r = NativeEngine(tiny1m, tok, dtype=torch.bfloat16).generate(prompts_of(tok, 3), params)
+    import copy
+    m16 = copy.deepcopy(tiny1m).to(torch.bfloat16)
+    tf = teacher_forced(m16, r).log_softmax(-1).gather(-1, r.completion_ids[..., None])[..., 0]
+    d = float((tf - r.policy_logprobs)[r.completion_mask].abs().max())
+    # bf16 has 8 mantissa bits: logits of size ~1 carry ±4e-3 rounding per op; the two paths round differently
+    assert d < 5e-2
+    assert next(tiny1m.parameters()).dtype == torch.float32                  # the policy itself stays fp32
+
+
+def test_fused_rms_norm_matches_the_naive_one():
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)) * 3
+    w = torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5
+    assert torch.allclose(rms_norm_fused(x, w, 1e-5), rms_norm(x, w, 1e-5), atol=1e-6)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    # bf16: the naive norm rounds twice, the fused once; they differ by at most ~2 bf16 ulps (2^-7 relative)
+    assert torch.allclose(rms_norm_fused(xb, wb, 1e-5).float(), rms_norm(xb, wb, 1e-5).float(), rtol=2 ** -6, atol=1e-2)
+
+
+def test_rollout_tensors_are_usable_in_autograd(tok, tiny1m):
+    r = NativeEngine(tiny1m, tok).generate(prompts_of(tok, 2), SamplingParams(max_new_tokens=4, seed=0))
+    logits = tiny1m(input_ids=r.sequence_ids, attention_mask=r.sequence_mask, position_ids=r.position_ids).logits
+    loss = logits[:, -1].log_softmax(-1).gather(-1, r.completion_ids[:, -1:]).sum()
+    loss.backward()                                   # fails if the rollout held inference-mode tensors
+    assert tiny1m.lm_head.weight.grad is not None or tiny1m.model.embed_tokens.weight.grad is not None
+    tiny1m.zero_grad(set_to_none=True)
+
+
+def test_bad_input_is_named(tok, tiny1m):
+    engine = make_engine("native", tiny1m, tok)
+    with pytest.raises(ValueError, match="empty batch"):
+        engine.generate([], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        engine.generate([[5, 6], []], SamplingParams())
+    with pytest.raises(TypeError, match="mixed"):
+        engine.generate(["a", [5]], SamplingParams())
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.generate([[5]], {"n": 2})
+    with pytest.raises(ValueError, match="unknown rollout backend 'sglang'"):
+        make_engine("sglang", tiny1m, tok)
+    with pytest.raises(ValueError, match="kernels="):
+        NativeEngine(tiny1m, tok, kernels="triton")
+
+
+def test_string_prompts_and_the_vllm_backend_on_cpu(tok, tiny1m):
+    r = make_engine("native", tiny1m, tok).generate(["12 + 3 =", "7 + 8 ="], SamplingParams(n=2, max_new_tokens=3, seed=0))
+    assert r.completion_ids.shape[0] == 4 and len(r.texts) == 4
+    if not torch.cuda.is_available():
+        with pytest.raises((ImportError, RuntimeError), match="vLLM backend needs"):
+            make_engine("vllm", tiny1m, tok)
