@@ -7,14 +7,20 @@ The world has four levels of problems over natural numbers (subtraction never go
 
 | level | problems                           | demonstrated answer                      |
 |-------|------------------------------------|------------------------------------------|
-| L1    | a ∘ b, a, b ≤ 9, ∘ ∈ {+, −, ×}       | the number                               |
+| L1    | a ∘ b, a, b ≤ 9, ∘ ∈ {+, −, ×}       | the fact in <think>, then the number      |
 | L2    | 1–2 digit a ± b (one operand ≥ 10) | column work in <think>, then the number   |
 | L3    | 3-digit a ± b                      | column work in <think>, then the number   |
 | L4    | 2-digit × 1-digit                  | column work in <think>, then the number   |
 
-Column work runs right to left, one single-digit fact per column (`7+8=15 c1`), so a model that
-knows the L1 facts (from pretraining prose) can learn L2–L4 as a procedure rather than memorise
-20,000 sums — the same reason chain-of-thought helps large models.
+Column work runs right to left, one single-digit fact per column (`7+8=15, 3+4+1=8`), so a model that
+knows the L1 facts can learn L2–L4 as a procedure rather than memorise 20,000 sums — the same reason
+chain-of-thought helps large models. A single-digit problem shows its one fact (`<think>3+4=7</think> 7`):
+measured, a 0.9M model answering held-out single-digit questions *directly* reached only ~9% while
+using the same facts inside column work at ~98% — the written fact is how it retrieves what it knows.
+
+Single-digit facts are knowledge, not eval leakage: they appear in prose and inside the column work
+of every multi-digit demonstration, the way they saturate real pretraining data. Decontamination is
+by problem *as a question*: no held-out problem is asked, in any phrasing, by any training split.
 
 What each stage gets:
 - pretraining: prose facts ("7 plus 8 is 15."), worked columns in prose, and *question lists*
@@ -106,7 +112,11 @@ def sample_fact(level: str, rng: random.Random) -> Fact:
 
 
 def column_work(f: Fact) -> str:
-    """Right-to-left column arithmetic, one single-digit fact per column: the <think> content."""
+    """Right-to-left column arithmetic, one single-digit fact per column: the <think> content.
+
+    A single-digit problem is its one fact (`3*4=12`)."""
+    if f.level == "L1":
+        return f"{f.a}{f.op}{f.b}={f.value}"
     if f.op == "*":
         digits, carry, steps = str(f.a)[::-1], 0, []
         for d in digits:
@@ -133,14 +143,8 @@ def column_work(f: Fact) -> str:
     return ", ".join(steps)
 
 
-def needs_work(f: Fact) -> bool:
-    return f.level != "L1"
-
-
 def concise_answer(f: Fact) -> str:
-    if needs_work(f):
-        return f"<think>{column_work(f)}</think> {f.value}"
-    return str(f.value)
+    return f"<think>{column_work(f)}</think> {f.value}"
 
 
 ANSWER_RE = re.compile(r"^(?:<think>(?P<think>.*?)</think>)?\s*(?P<body>[^<\d]*?)\s*(?P<answer>-?\d+)\s*$", re.S)
@@ -302,8 +306,7 @@ def prose_work(f: Fact) -> str:
 def ramble(f: Fact, rng: random.Random) -> str:
     """A correct but verbose demonstration: filler before the final answer."""
     filler = rng.choice(RAMBLES) + rng.choice(["I think the answer is", "The result should be", "So we get"])
-    think = f"<think>{column_work(f)}</think> " if needs_work(f) else ""
-    return f"{think}{filler} {f.value}"
+    return f"<think>{column_work(f)}</think> {filler} {f.value}"
 
 
 def wrong_answer(f: Fact, rng: random.Random) -> str:
@@ -311,8 +314,7 @@ def wrong_answer(f: Fact, rng: random.Random) -> str:
     wrong = max(0, f.value + delta) if f.value + delta != f.value else f.value + 1
     if wrong == f.value:
         wrong = f.value + 1
-    think = f"<think>{column_work(f)}</think> " if needs_work(f) else ""
-    return f"{think}{wrong}"
+    return f"<think>{column_work(f)}</think> {wrong}"
 
 
 def export_jsonl(world: ArithmeticWorld, out_dir: str | Path, *, n: int = 1000) -> dict[str, Path]:
