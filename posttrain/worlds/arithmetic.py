@@ -178,7 +178,7 @@ class ArithmeticWorld:
     seed: int = 0
     eval_per_level: int = 200
     ramble_rate: float = 0.3  # share of SFT demonstrations that ramble before the answer
-    level_weights: dict[str, float] = field(default_factory=lambda: {"L1": 0.3, "L2": 0.45, "L3": 0.1, "L4": 0.15})
+    level_weights: dict[str, float] = field(default_factory=lambda: {"L1": 0.35, "L2": 0.3, "L3": 0.1, "L4": 0.25})
 
     @cached_property
     def eval_facts(self) -> dict[str, list[Fact]]:
