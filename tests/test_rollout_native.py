@@ -133,6 +133,24 @@ def test_engine_samples_the_models_next_token_distribution_by_chi2(tok, tiny1m):
     assert chi2 < CHI2_CRIT_DF3
 
 
+def test_engine_at_temperature_one_samples_the_full_softmax_by_chi2(tok, tiny1m):
+    """T = 1, no filter (the benchmark's setting, the sampler's identity fast path): 10k first tokens of one
+    prompt binned as the 3 most likely tokens + everything else (3 dof) vs the model's softmax."""
+    prompt = prompts_of(tok, 1)
+    r = NativeEngine(tiny1m, tok).generate(prompt, SamplingParams(n=10_000, max_new_tokens=1, seed=1))
+    with torch.no_grad():
+        p = tiny1m(input_ids=torch.tensor(prompt)).logits[0, -1].double().softmax(-1)
+    top = p.topk(3)
+    q = torch.cat([top.values, 1 - top.values.sum(0, keepdim=True)])          # 4 bins, sum 1
+    first = r.completion_ids[:, 0]
+    counts = torch.stack([(first == i).sum() for i in top.indices] + [(~torch.isin(first, top.indices)).sum()]).double()
+    chi2 = float(((counts - q * 10_000) ** 2 / (q * 10_000)).sum())
+    assert chi2 < CHI2_CRIT_DF3
+    # negative control (the random model is near-uniform, so this is the hard case): uniform is rejected
+    u = torch.tensor([1, 1, 1, p.numel() - 3], dtype=torch.float64) / p.numel()
+    assert float(((counts - u * 10_000) ** 2 / (u * 10_000)).sum()) > CHI2_CRIT_DF3  # measured ≈ 70
+
+
 def test_eos_is_kept_in_the_completion_and_ends_the_row(tok, tiny1m):
     # Declare the 40 lowest ids end-of-sequence so rows end early at random points.
     eos = list(range(40))
@@ -163,6 +181,19 @@ def test_compaction_does_not_change_any_sample(tok, tiny1m, seed):
     assert torch.allclose(never.policy_logprobs, always.policy_logprobs, atol=1e-5)
     tf = teacher_forced(tiny1m, always).log_softmax(-1).gather(-1, always.completion_ids[..., None])[..., 0]
     assert (tf - always.policy_logprobs)[always.completion_mask].abs().max() <= 1e-4  # compacted rows stay right
+
+
+@pytest.mark.parametrize("matmul", ["mkl", "dnn"])
+def test_packed_matmuls_with_compaction_give_the_mm_samples(tok, tiny1m, matmul):
+    # packed weights (forced here; "auto" packs only large models) through compactions: the mkl pack for
+    # 16 rows is reused, zero-padded, for 15, 14, … rows
+    prompts, eos = prompts_of(tok, 8), list(range(40))
+    params = SamplingParams(n=2, max_new_tokens=12, seed=5)
+    ref = NativeEngine(tiny1m, tok, eos_token_ids=eos, compact_below=0.0, matmul="mm").generate(prompts, params)
+    got = NativeEngine(tiny1m, tok, eos_token_ids=eos, compact_below=1.0, matmul=matmul).generate(prompts, params)
+    assert (ref.completion_lengths < 12).sum() >= 4                       # compaction really happened
+    assert torch.equal(got.completion_ids, ref.completion_ids)
+    assert (got.policy_logprobs - ref.policy_logprobs).abs().max() <= 1e-4
 
 
 def test_stop_string_truncates_the_text_and_matches_generate(tok, tiny1m):

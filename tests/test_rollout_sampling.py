@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from posttrain.rollout.sampling import (
+    GumbelNoise,
     SamplingParams,
     draw_noise,
     process_logits,
     sample,
+    sample_into,
 )
 
 P = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -137,6 +139,45 @@ def test_seeded_noise_is_reproducible_and_seed_dependent():
     c = draw_noise(3, 7, torch.Generator().manual_seed(6), torch.device("cpu"))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert torch.isfinite(a).all()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),                                  # identity: one log-softmax serves both
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05),
+])
+def test_sample_into_is_the_same_draw_as_sample(params):
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 40, generator=g) * 2
+    noise = draw_noise(9, 40, g, torch.device("cpu"))
+    want = sample(logits, params, noise)
+    tokens, lp, plp = torch.empty(9, dtype=torch.long), torch.empty(9), torch.empty(9)
+    sample_into(logits, params, noise.clone(), tokens, lp, plp)
+    assert torch.equal(tokens, want[0])                               # same noise → same argmax
+    assert torch.equal(lp, want[1]) and torch.equal(plp, want[2])
+    with pytest.raises(ValueError, match="greedy"):
+        sample_into(logits, SamplingParams(temperature=0), noise, tokens, lp, plp)
+
+
+def test_chunked_noise_is_per_step_noise_of_the_same_law():
+    # 6 steps of (2, 3) in chunks of 4 steps (4·2·3 = 24 ≤ max_elements = 25 < 30): two draws, 4 + 2 steps
+    stream = GumbelNoise(2, 3, 6, torch.Generator().manual_seed(0), torch.device("cpu"), max_elements=25)
+    assert stream.chunk == 4
+    steps = [stream.next() for _ in range(6)]
+    assert all(s.shape == (2, 3) for s in steps)
+    assert len({s.data_ptr() for s in steps[:4]}) == 4                 # distinct rows of one chunk, never reused
+    with pytest.raises(RuntimeError, match="all steps drawn"):
+        stream.next()
+    again = GumbelNoise(2, 3, 6, torch.Generator().manual_seed(0), torch.device("cpu"), max_elements=25)
+    assert all(torch.equal(a, again.next()) for a in steps)           # seeded: reproducible
+    # law: 10k·4 standard Gumbel draws; mean = Euler–Mascheroni γ = 0.5772, var = π²/6 = 1.6449;
+    # per 40k draws, standard errors √(1.645/40000) = 0.0064 and √((μ₄ − σ⁴)/n) with μ₄ = (3 + 12/5)σ⁴:
+    # √(4.4·2.706/40000) = 0.017; here n = 120k (÷√3) → 5σ bands
+    big = GumbelNoise(10_000, 4, 3, torch.Generator().manual_seed(1), torch.device("cpu"), max_elements=40_000)
+    x = torch.stack([big.next() for _ in range(3)])                  # chunk = 1 step: 3 separate draws
+    assert big.chunk == 1
+    assert abs(float(x.mean()) - 0.5772) < 5 * 0.0064 / 3 ** 0.5
+    assert abs(float(x.var()) - math.pi ** 2 / 6) < 5 * 0.017 / 3 ** 0.5
 
 
 @pytest.mark.parametrize("field, value", [

@@ -93,7 +93,160 @@ class SFTStage(TrainStage):
     heldout: int = Field(256, ge=0, description="world examples held out for eval loss")
 
 
-Stage = Annotated[PretrainStage | SFTStage, Field(discriminator="stage")]
+class RewardSpec(Strict):
+    """One verifier of an RLVR stage and its weight in the summed reward (docs/rewards.md, docs/rlvr.md)."""
+
+    name: Literal["math", "format", "overlong", "length", "code", "gold"] = Field(description="a posttrain.rewards verifier, or `gold`: the arithmetic world's gold judge")
+    weight: float = Field(1.0, description="weight in the summed reward (0 = computed and logged only)")
+    params: dict[str, Any] = Field(default_factory=dict, description="the verifier's parameters, e.g. {think: optional}")
+
+
+class GRPOStage(TrainStage):
+    stage: Literal["grpo"] = "grpo"
+    data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=20_000)], description="problems (world, or JSONL in the `problem` schema)")
+    levels: list[str] | None = Field(None, description="world levels to draw problems from (None: the world's level mix)")
+    loss: Literal["grpo", "dapo", "dr_grpo"] = Field("grpo", description="advantage normalization, token aggregation and clip range (docs/rlvr.md)")
+    batch_size: int = Field(128, gt=0, description="sequences per optimizer step (prompts × group_size)")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=3, min_lr_ratio=1.0), description="RL needs a far lower lr than SFT (docs/rlvr.md: 3e-4 already forgets, 1e-3 collapses)")
+    group_size: int = Field(8, ge=2, description="samples per prompt (G)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass of the rollouts (1 = off)")
+    max_new_tokens: int = Field(48, gt=0, description="completion budget per sample")
+    max_prompt_len: int = Field(64, gt=0, description="longest prompt in tokens (longer ones are an error)")
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="math")], min_length=1, description="verifiers summed into the reward")
+    pass_threshold: float = Field(0.5, description="a sample passes when the first listed verifier scores at least this")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL-to-reference coefficient in the loss (0: no reference pass)")
+    clip_low: float | None = Field(None, gt=0, lt=1, description="ratio floor 1 − clip_low (None: the loss's default)")
+    clip_high: float | None = Field(None, gt=0, description="ratio ceiling 1 + clip_high (None: the loss's default)")
+    mu: int = Field(1, gt=0, description="optimizer steps per rollout batch (μ); `steps` counts optimizer steps")
+    dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal and sample more (DAPO)")
+    max_rounds: int = Field(4, gt=0, description="generation rounds per rollout batch at most when refilling")
+    mask_truncated: bool = Field(False, description="leave samples cut by max_new_tokens out of the loss (DAPO overlong filtering)")
+    backend: Literal["native", "hf"] = Field("native", description="rollout engine")
+    eval_problems: int = Field(100, gt=0, description="held-out problems per eval level for the in-stage greedy eval (eval_every)")
+
+    @model_validator(mode="after")
+    def _grpo_shapes(self) -> GRPOStage:
+        if self.batch_size % self.group_size:
+            raise ValueError(f"batch_size {self.batch_size} is not a multiple of group_size {self.group_size}")
+        if self.steps % self.mu or self.save_every % self.mu:
+            raise ValueError(f"steps {self.steps} and save_every {self.save_every} must be multiples of mu {self.mu} "
+                             "(checkpoints fall between rollout batches)")
+        return self
+
+
+class RejectionSamplingStage(Strict):
+    stage: Literal["rejection_sampling"] = "rejection_sampling"
+    name: str | None = Field(None, description="checkpoint folder name; defaults to the stage kind")
+    data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=2_000)], description="problems (world, or JSONL in the `problem` schema)")
+    levels: list[str] | None = Field(None, description="world levels to draw problems from (None: the world's level mix)")
+    samples: int = Field(8, gt=0, description="samples per prompt (N)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass (1 = off)")
+    max_new_tokens: int = Field(48, gt=0, description="completion budget per sample")
+    max_prompt_len: int = Field(64, gt=0, description="longest prompt in tokens (longer ones are an error)")
+    batch_prompts: int = Field(64, gt=0, description="prompts per generation call")
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="gold")], min_length=1, description="verifiers summed into the score")
+    keep: Literal["best", "all_correct"] = Field("best", description="per prompt: the best-scoring sample, or every sample at or above min_reward")
+    min_reward: float = Field(0.5, description="a sample is kept only if its summed reward is at least this")
+    output: Path | None = Field(None, description="where to write the SFT JSONL (default <run dir>/data/<name>.jsonl)")
+
+    @property
+    def folder(self) -> str:
+        return self.name or self.stage
+
+    @property
+    def steps(self) -> int:
+        """Generation calls (what the run's eval step counter reads)."""
+        n = sum(s.n or 0 for s in self.data)
+        return max(1, -(-n // self.batch_prompts))
+
+
+class RewardModelStage(TrainStage):
+    """Bradley–Terry reward model on the start policy's backbone (docs/preference.md)."""
+
+    stage: Literal["reward_model"] = "reward_model"
+    data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=4_000)], description="preference pairs (world, or JSONL in the `preference` schema)")
+    rankings: list[DataSource] = Field(default_factory=list, description="rankings of K ≥ 2 responses, best first (world: K=3 gold-ordered; JSONL `ranking` schema), expanded to C(K,2) pairs")
+    batch_size: int = Field(32, gt=0, description="pairs or rankings per optimizer step (a ranking counts once)")
+    max_len: int = Field(128, gt=8, description="longest prompt + response in tokens")
+    truncation: Literal["error", "left"] = Field("error", description="an over-long record: stop with an error, or drop prompt tokens from the left")
+    heldout: int = Field(512, ge=0, description="world pairs held out for pair accuracy (reported per kind: style / correctness)")
+    norm_samples: int = Field(256, gt=1, description="start-policy samples scored to normalize the reward (mean 0, std 1) and to measure agreement with the gold judge")
+    samples_per_prompt: int = Field(4, ge=2, description="start-policy samples per prompt in the gold-agreement check")
+    max_new_tokens: int = Field(48, gt=0, description="answer budget of those samples")
+
+    def data_files(self) -> list[tuple[Path, str]]:
+        """(JSONL path, record kind) of every file source, for validation before the run starts."""
+        return [(s.path, "preference") for s in self.data if s.path] + [(s.path, "ranking") for s in self.rankings if s.path]
+
+
+class DPOStage(TrainStage):
+    """The DPO family: offline preference optimization against the start policy (docs/preference.md)."""
+
+    stage: Literal["dpo"] = "dpo"
+    loss: Literal["dpo", "ipo", "kto", "orpo", "simpo"] = Field("dpo", description="objective (posttrain.losses.preference)")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-5, warmup_steps=10), description="AdamW; DPO wants a small lr (at 1e-4 the demo's chosen log-probs collapse: likelihood displacement)")
+    beta: float = Field(0.1, gt=0, description="β: DPO/KTO/IPO(τ) inverse temperature; ORPO's λ; SimPO's reward scale")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="DPO only: conservative-DPO label noise ε")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO only: target reward margin γ")
+    kto_desirable_weight: float = Field(1.0, gt=0, description="KTO only: λ_D")
+    kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO only: λ_U")
+    data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=4_000)], description="pairs (JSONL `preference` schema); KTO: `unpaired` schema (world pairs are split into a good and a bad example)")
+    batch_size: int = Field(16, gt=0, description="pairs (KTO: examples) per optimizer step")
+    max_len: int = Field(128, gt=8, description="longest prompt + response in tokens")
+    truncation: Literal["error", "left"] = Field("error", description="an over-long record: stop with an error, or drop prompt tokens from the left")
+    reference: Literal["cached", "recompute"] = Field("cached", description="reference log-probs: computed once before training, or by a reference forward every step (same loss; for checking)")
+    reference_batch: int = Field(64, gt=0, description="sequences per forward when caching reference log-probs")
+    eval_per_level: int = Field(50, ge=0, description="held-out problems per level for the gold head-to-head against the start policy (0 = off)")
+    eval_samples: int = Field(2, gt=0, description="sampled responses per problem and model in that head-to-head")
+    eval_temperature: float = Field(1.0, ge=0, description="sampling temperature of the head-to-head (0 = greedy)")
+    max_new_tokens: int = Field(48, gt=0, description="answer budget in the head-to-head")
+
+    def data_files(self) -> list[tuple[Path, str]]:
+        """(JSONL path, record kind) of every file source, for validation before the run starts."""
+        return [(s.path, "unpaired" if self.loss == "kto" else "preference") for s in self.data if s.path]
+
+
+class PPOStage(TrainStage):
+    """PPO-RLHF against a reward model under a KL penalty to the start policy (docs/preference.md)."""
+
+    stage: Literal["ppo"] = "ppo"
+    reward_model: str = Field("reward_model", description="the reward_model stage's folder in this run, or a path to a reward-model checkpoint")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=1.0), description="the policy's AdamW (the schedule counts iterations)")
+    data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=20_000)], description="prompts (world problems, or JSONL in the `problem` schema)")
+    levels: list[str] | None = Field(None, description="world levels to draw prompts from (None: the world's level mix)")
+    batch_size: int = Field(64, gt=0, description="rollouts (one per prompt) per PPO iteration; `steps` counts iterations")
+    minibatch_size: int = Field(16, gt=0, description="rollouts per gradient step inside an iteration")
+    ppo_epochs: int = Field(4, gt=0, description="passes over each iteration's rollouts")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
+    max_new_tokens: int = Field(48, gt=0, description="completion budget per rollout")
+    max_prompt_len: int = Field(64, gt=0, description="longest prompt in tokens (longer ones are an error)")
+    kl_coef: float = Field(0.05, ge=0, description="β of the per-token KL penalty (initial value when adaptive)")
+    kl_target: float | None = Field(None, gt=0, description="adaptive KL controller's target (nats per sequence); None = fixed β")
+    kl_horizon: float = Field(10_000, gt=0, description="adaptive controller's horizon in rollouts")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ")
+    clip: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip ε")
+    value_clip: float = Field(0.2, gt=0, description="value-loss clip around the rollout-time values")
+    critic_lr: float = Field(1e-3, gt=0, description="peak learning rate of the critic (value model), same schedule as the policy")
+    whiten_advantages: bool = Field(True, description="normalize advantages over each iteration's tokens")
+    missing_eos_score: float | None = Field(-1.0, description="normalized score given to a rollout cut by max_new_tokens (None: keep the RM score)")
+    eval_per_level: int = Field(50, ge=0, description="held-out problems per level for the gold comparison with the start policy (0 = off)")
+    eval_samples: int = Field(2, gt=0, description="sampled responses per problem and model in that comparison")
+    eval_temperature: float = Field(1.0, ge=0, description="sampling temperature of that comparison (0 = greedy)")
+
+    def data_files(self) -> list[tuple[Path, str]]:
+        """(JSONL path, record kind) of every file source, for validation before the run starts."""
+        return [(s.path, "problem") for s in self.data if s.path]
+
+    @model_validator(mode="after")
+    def _minibatches_divide(self) -> PPOStage:
+        if self.batch_size % self.minibatch_size:
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by minibatch_size {self.minibatch_size}")
+        return self
+
+Stage = Annotated[PretrainStage | SFTStage | GRPOStage | RejectionSamplingStage | RewardModelStage | DPOStage | PPOStage, Field(discriminator="stage")]
 
 
 class EvalConfig(Strict):
@@ -101,6 +254,8 @@ class EvalConfig(Strict):
     levels: list[str] = Field(default_factory=lambda: ["L1", "L2", "L3", "L4"], description="world levels to evaluate")
     max_new_tokens: int = Field(48, gt=0, description="greedy answer budget")
     batch_size: int = Field(128, gt=0, description="prompts per generation batch")
+    pass_k_samples: int = Field(0, ge=0, description="samples per problem for pass@1/pass@k at pass_k_temperature after each stage (0 = off; costs per_level × levels × samples generations)")
+    pass_k_temperature: float = Field(1.0, gt=0, description="sampling temperature of the pass@k eval")
 
 
 class TelemetryConfig(Strict):
@@ -136,7 +291,7 @@ def _loc(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("pretrain", "sft") or str(part).startswith("function-"):
+        elif part in ("pretrain", "sft", "grpo", "rejection_sampling", "reward_model", "dpo", "ppo") or str(part).startswith("function-"):
             continue  # pydantic's discriminator tag, not a key the user wrote
         else:
             out += ("." if out else "") + str(part)

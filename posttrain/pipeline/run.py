@@ -26,14 +26,14 @@ from posttrain.models.tiny import PRESETS
 from posttrain.pipeline.checkpoint import CheckpointError, final_checkpoint, latest_checkpoint, publish
 from posttrain.pipeline.config import Recipe, dump_recipe
 from posttrain.pipeline.context import RunContext, StageResult
-from posttrain.pipeline.evals import EvalRecord, arithmetic_evals, as_json
+from posttrain.pipeline.evals import EvalRecord, arithmetic_evals, as_json, pass_at_k_evals
 from posttrain.stages.pretrain import run_pretrain
 from posttrain.stages.sft import run_sft
 from posttrain.stages.reward_model import run_reward_model
 from posttrain.stages.dpo import run_dpo
 from posttrain.stages.ppo import run_ppo
 from posttrain.stages.grpo import run_grpo
-from posttrain.stages.rejection_sampling import run_rejection_sampling
+from posttrain.stages.rejection_sampling import produced_paths, run_rejection_sampling
 from posttrain.telemetry import JsonlSink, Telemetry
 from posttrain.worlds.arithmetic import ArithmeticWorld
 
@@ -47,15 +47,31 @@ class RunError(ValueError):
     """A run that cannot start (existing folder, nothing to resume)."""
 
 
-def validate_inputs(recipe: Recipe, tokenizer) -> None:
+def record_kind(stage) -> str:
+    """The JSONL schema a stage's `data: [{path}]` files are read in (docs/data.md)."""
+    if stage.stage == "dpo":
+        return "unpaired" if stage.loss == "kto" else "preference"
+    return {"sft": "sft", "reward_model": "preference", "ppo": "problem", "grpo": "problem",
+            "rejection_sampling": "problem"}[stage.stage]
+
+
+def validate_inputs(recipe: Recipe, tokenizer, run_dir: Path) -> None:
     """Read and encode every data file the recipe names, before anything is written.
 
-    Raises DataError naming the file, the line and the field (or the over-long record)."""
-    for stage in recipe.stages:
+    A file an earlier rejection-sampling stage will write is accepted unread; one written by a later
+    stage is an error. Raises DataError naming the file, the line and the field (or the over-long
+    record)."""
+    produced = produced_paths(recipe, run_dir)
+    for i, stage in enumerate(recipe.stages):
         for src in getattr(stage, "data", []):
             if src.path is None:
                 continue
-            records = read_jsonl(src.path, stage.stage).records
+            writer = produced.get(src.path.resolve())
+            if writer is not None:
+                if writer >= i:
+                    raise RunError(f"stages[{i}].data: {src.path} is written by stages[{writer}], which runs later")
+                continue
+            records = read_jsonl(src.path, record_kind(stage)).records
             if stage.stage == "sft" and stage.truncation == "error":
                 encode_sft_dataset(records, tokenizer, stage.max_len, truncation="error")
 
@@ -138,7 +154,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
         start, tokenizer = base_done, load_tokenizer(base_done)
     else:
         base_model, tokenizer = make_base(recipe, world, console)
-    validate_inputs(recipe, tokenizer)  # before anything is written
+    validate_inputs(recipe, tokenizer, run_dir)  # before anything is written
     prepare_run_dir(run_dir, resume=resume, fresh=fresh)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     if base_done is None:
@@ -187,6 +203,11 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
             stage_records = arithmetic_evals(
                 model, tokenizer, world, recipe.eval, stage=stage.folder, checkpoint=str(start.relative_to(run_dir)),
                 phase=lambda s=stage.folder, k=stage.steps: telemetry.phase("eval", stage=s, step=k))
+            if recipe.eval.pass_k_samples:
+                stage_records += pass_at_k_evals(
+                    model, tokenizer, world, recipe.eval, stage=stage.folder, checkpoint=str(start.relative_to(run_dir)),
+                    samples=recipe.eval.pass_k_samples, ks=(1, recipe.eval.pass_k_samples),
+                    temperature=recipe.eval.pass_k_temperature)
             with evals_path.open("a") as f:
                 for r in as_json(stage_records):
                     f.write(json.dumps(r) + "\n")

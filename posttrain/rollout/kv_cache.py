@@ -5,6 +5,8 @@ one integer `length` is the whole cache state; no per-step concatenation, no per
 `hf()` wraps the same buffers as a `transformers` `Cache` (5.x API: models take it as `cache=`,
 call `cache.update(k, v, layer_idx)` inside attention, and size their masks with
 `get_mask_sizes`), so any HF causal LM can run on it unchanged.
+The fused path (`fused.py`) allocates it in fp32 and stores its keys already rotated, with the
+rotary pairs of each head side by side; `DecodePlan` writes the new key straight into its slot.
 """
 
 from __future__ import annotations

@@ -11,10 +11,14 @@ Departures from `transformers` `generate` (numbered):
    concatenation); all rows share one write slot because prompts are left-padded.
 3. Finished rows stop costing work: once at most `compact_below` of the running rows are still
    live, the batch (cache, masks, positions) is compacted to the live rows.
-4. Sampling is one pure function on fp32 logits (`sampling.sample`), no logits-processor objects;
-   its noise is drawn for all rows each step, so compaction never changes a sample.
-5. Llama-family models run through `FusedDecoder` (fused QKV / gate-up weights, no mask factory);
-   any other HF causal LM runs its own forward (`HFForward`) on the same cache.
+4. Sampling is one pure function on fp32 logits (`sampling.sample`; its buffer-writing twin
+   `sample_into` on the hot path), no logits-processor objects. Its Gumbel noise is drawn for all rows
+   every step (several steps per draw, `GumbelNoise`), so compaction never changes a sample.
+5. Llama-family models run through `FusedDecoder` (fused, pre-transposed and packed weights, complex
+   RoPE, fp32 attention over the cache, one pre-allocated `DecodePlan` per batch shape; see
+   `fused.py`); any other HF causal LM runs its own forward (`HFForward`) on the same cache.
+6. Outputs are written step-major, (steps, rows), so each step's tokens and log-probs are one
+   contiguous row the sampler writes into; lengths come from the step each row stopped at.
 Device sync points: one per step (the live-row count decides whether to stop or compact; the EOS
 and stop-string checks read the sampled tokens). Stop strings cost one batched decode of a few tokens
 per live row per step, only when stop strings are given.
@@ -22,7 +26,7 @@ per live row per step, only when stop strings are given.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from posttrain.rollout.fused import FusedDecoder, fused_unsupported_reason
 from posttrain.rollout.kv_cache import KVCache
 from posttrain.rollout.output import Rollout, assemble
-from posttrain.rollout.sampling import SamplingParams, draw_noise, sample
+from posttrain.rollout.sampling import GumbelNoise, SamplingParams, sample, sample_into
 from posttrain.rollout.text import (
     StopStrings,
     encode_prompts,
@@ -69,13 +73,18 @@ class HFForward:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.cache_dtype = next(model.parameters()).dtype
 
     def __call__(self, ids: Tensor, positions: Tensor, cache: KVCache, key_mask: Tensor) -> Tensor:
-        """Shapes: ids/positions (R, q); key_mask (R, cache.length + q) bool → logits (R, V) fp32."""
-        out = self.model(input_ids=ids, attention_mask=key_mask, position_ids=positions, cache=cache.hf(),
-                         use_cache=True, logits_to_keep=1)
+        """Shapes: ids/positions (R, q); key_mask (R, ≥ cache.length + q) bool → logits (R, V) fp32."""
+        out = self.model(input_ids=ids, attention_mask=key_mask[:, : cache.length + ids.shape[1]],
+                         position_ids=positions, cache=cache.hf(), use_cache=True, logits_to_keep=1)
         cache.advance(ids.shape[1])
         return out.logits[:, -1].float()
+
+    def plan(self, cache: KVCache, key_mask: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+        """One new token per row: `step(tokens (R,), positions (R,))` → logits (R, V) (same as `FusedDecoder.plan`)."""
+        return lambda tokens, positions: self(tokens[:, None], positions[:, None], cache, key_mask)
 
 
 class NativeEngine:
@@ -86,13 +95,17 @@ class NativeEngine:
         None = the model's own. Log-probs are then those of the cast model.
     compact_below: compact the batch when live rows ≤ this fraction of running rows (1.0 = as soon as
         one row finishes, 0.0 = never).
+    matmul: form of the fused path's decode matmuls: "auto" (`fused.projection_kind`: packed MKL / oneDNN
+        weights where they were measured faster on a CPU), or one of "mm", "mkl", "dnn", "mv" (tests).
+    Memory: the fused path keeps its own copy of the weights (fused, pre-transposed; plus a packed copy
+    for "mkl"/"dnn"/"mv") and an fp32 KV cache whatever the weight dtype.
     """
 
     name = "native"
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None, *,
                  kernels: str = "auto", dtype: torch.dtype | None = None, compact_below: float = 0.875,
-                 eos_token_ids: Sequence[int] | None = None):
+                 eos_token_ids: Sequence[int] | None = None, matmul: str = "auto"):
         if kernels not in ("auto", "fused", "hf"):
             raise ValueError(f"NativeEngine: kernels={kernels!r}; expected 'auto', 'fused' or 'hf'")
         if not 0.0 <= compact_below <= 1.0:
@@ -107,7 +120,7 @@ class NativeEngine:
             raise ValueError(f"NativeEngine: dtype={dtype} differs from the model's {model_dtype}, which needs "
                              f"the fused kernels ({reason or 'kernels=hf was asked for'}); cast the model instead")
         self.kernels = "fused" if use_fused else "hf"
-        self.step = FusedDecoder(model, dtype) if use_fused else HFForward(model)
+        self.step = FusedDecoder(model, dtype, matmul=matmul) if use_fused else HFForward(model)
         self.dtype = dtype or model_dtype
         self.compact_below = compact_below
         self.eos_ids = list(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model, tokenizer)
@@ -127,7 +140,7 @@ class NativeEngine:
 
     def _cache(self, rows: int, capacity: int, device: torch.device) -> KVCache:
         return KVCache.allocate(layers=self.layers, rows=rows, kv_heads=self.kv_heads, capacity=capacity,
-                                head_dim=self.head_dim, dtype=self.dtype, device=device)
+                                head_dim=self.head_dim, dtype=self.step.cache_dtype, device=device)
 
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams) -> Rollout:
         if not isinstance(params, SamplingParams):
@@ -167,30 +180,38 @@ class NativeEngine:
             logits = logits.repeat_interleave(n, 0)                              # (R, V)
         vocab = logits.shape[-1]
 
-        tokens = torch.full((rows, budget), self.pad_id, dtype=torch.long, device=device)
-        logprobs = torch.zeros((rows, budget), dtype=torch.float32, device=device)
-        policy = torch.zeros((rows, budget), dtype=torch.float32, device=device)
-        lengths = torch.zeros(rows, dtype=torch.long, device=device)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        # Step-major outputs: step t's tokens are one contiguous row the sampler writes into.
+        tokens = torch.full((budget, rows), self.pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((budget, rows), dtype=torch.float32, device=device)
+        policy = torch.zeros((budget, rows), dtype=torch.float32, device=device)
+        stop_step = torch.full((rows,), budget, dtype=torch.long, device=device)  # step a row stopped at
         key_mask = torch.cat([prompt_mask.repeat_interleave(n, 0),
                               torch.ones(rows, budget, dtype=torch.bool, device=device)], 1)  # (R, P + N)
         next_pos = prompt_mask.sum(-1).repeat_interleave(n)                    # (R,) position of token 0
         active = torch.arange(rows, device=device)   # original row of each running row
         live = torch.ones(rows, dtype=torch.bool, device=device)  # running rows not yet finished
         completions: list[list[int]] = [[] for _ in range(rows)] if stops.stops else []
+        # Noise for every original row every step: samples do not depend on compaction.
+        noise = None if params.greedy else GumbelNoise(rows, vocab, budget, gen, device)
+        scratch = (torch.empty(rows, dtype=torch.long, device=device),
+                   torch.empty(rows, dtype=torch.float32, device=device),
+                   torch.empty(rows, dtype=torch.float32, device=device))
+        plan = None
 
         for t in range(budget):
-            # Noise for every original row, then this step's running rows: samples do not depend on compaction.
-            noise = None if params.greedy else draw_noise(rows, vocab, gen, device)
-            full = active.numel() == rows                                      # not compacted yet: plain slices
-            tok, lp, plp = sample(logits, params, noise if full or noise is None else noise[active])  # (r,) each
-            if full:
-                tokens[:, t], logprobs[:, t], policy[:, t] = tok, lp, plp
-                lengths += live
+            full = active.numel() == rows                                      # not compacted yet: plain rows
+            r = active.numel()
+            if params.greedy:
+                tok, lp, plp = sample(logits, params, None)
             else:
-                tokens[active, t], logprobs[active, t], policy[active, t] = tok, lp, plp
-                lengths[active] += live
-            done = live & torch.isin(tok, eos)
+                tok, lp, plp = (tokens[t], logprobs[t], policy[t]) if full else (s[:r] for s in scratch)
+                step_noise = noise.next()
+                sample_into(logits, params, step_noise if full else step_noise[active], tok, lp, plp)
+            if not full or params.greedy:
+                tokens[t].index_copy_(0, active, tok)
+                logprobs[t].index_copy_(0, active, lp)
+                policy[t].index_copy_(0, active, plp)
+            done = torch.isin(tok, eos).logical_and_(live)                     # rows finishing now
             if stops.stops:
                 live_rows = live.nonzero()[:, 0].tolist()
                 orig = active.tolist()
@@ -200,21 +221,26 @@ class NativeEngine:
                 hits = stops.hits([completions[orig[j]] for j in live_rows])
                 if any(hits):
                     done[[j for j, h in zip(live_rows, hits) if h]] = True
-            stopped[active[done]] = True
-            live &= ~done
+            if full:
+                stop_step.masked_fill_(done, t)
+            else:
+                stop_step.index_fill_(0, active[done], t)
+            live.logical_xor_(done)                                            # done ⊆ live
             n_live = int(live.sum())                                           # device sync point
             if n_live == 0 or t == budget - 1:
                 break
             if t == 0 and n > 1:                                               # first decode step: share the prefill
-                cache = cache.expand(n, plen + budget)
+                cache, plan = cache.expand(n, plen + budget), None
             if n_live <= self.compact_below * live.numel() and n_live < live.numel():
                 keep = live.nonzero()[:, 0]                                    # compaction: one copy of live rows
                 cache.select(keep)
                 active, live, tok = active[keep], live[keep], tok[keep]
-                key_mask = key_mask[keep]
-                next_pos = next_pos[keep]
-            pos = (next_pos + t)[:, None]                                      # (r, 1)
-            logits = self.step(tok[:, None], pos, cache, key_mask[:, : plen + t + 1])
+                key_mask, next_pos, plan = key_mask[keep], next_pos[keep], None
+            if plan is None:
+                plan = self.step.plan(cache, key_mask)
+            logits = plan(tok, next_pos + t)                                   # (r, V)
 
-        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "n": n, "tokens": tokens,
-                "logprobs": logprobs, "policy_logprobs": policy, "lengths": lengths, "stopped": stopped}
+        stopped = stop_step < budget
+        lengths = torch.where(stopped, stop_step + 1, budget)                  # rows never stopped ran to the end
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "n": n, "tokens": tokens.T,
+                "logprobs": logprobs.T, "policy_logprobs": policy.T, "lengths": lengths, "stopped": stopped}

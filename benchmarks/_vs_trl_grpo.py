@@ -1,0 +1,214 @@
+"""GRPO step time: our `grpo` stage vs TRL `GRPOTrainer`, same tiny-30m weights, same data, same shape.
+
+    python benchmarks/_vs_trl_grpo.py                  # 6 measured steps per side, 2 threads
+    python benchmarks/_vs_trl_grpo.py --steps 10 --threads 2
+
+Both sides: the same randomly initialised tiny-30m Llama (built once, saved, loaded by each side), the
+same arithmetic-world problems (a JSONL file both read), G = 8 samples per prompt, 16 sequences per
+optimizer step (2 prompts), 32 completion tokens at most, temperature 1, KL coefficient 0, one
+update per rollout (μ = 1), the same reward (the world's gold judge), AdamW at the same lr. Each side
+runs in its own subprocess so peak memory (max RSS) is its own; a step's time is wall clock from one
+optimizer step's end to the next, and the process CPU time over the same span (the number to read
+when other jobs share the cores, best with --threads 1), the first (warm-up) step dropped, medians.
+
+TRL runs twice: with its CPU defaults (GRPOConfig: bf16 autocast where supported, gradient
+checkpointing on) and in plain fp32 without checkpointing, which matches our side. Each side's
+settings are printed. `bench_grpo()` is what `benchmarks/vs_trl.py` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+G, SEQS, COMPLETION, LR = 8, 16, 32, 1e-6
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def prepare(folder: Path, *, problems: int = 512) -> tuple[Path, Path]:
+    """The shared tiny-30m folder (weights + tokenizer) and problem JSONL."""
+    from posttrain.models import build_tiny, train_tokenizer
+    from posttrain.worlds.arithmetic import ArithmeticWorld
+
+    world = ArithmeticWorld(seed=0)
+    texts = list(world.pretrain_documents(2000))
+    texts += [f"user\n{ex[0]['content']}\nassistant\n{ex[1]['content']}" for ex in world.sft_split(1000)]
+    tok = train_tokenizer(texts, vocab_size=512)
+    model = build_tiny("tiny-30m", vocab_size=len(tok), seed=0, max_seq_len=160,
+                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    model_dir, data = folder / "tiny-30m", folder / "problems.jsonl"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    rows = world.problems(problems, seed_offset=5)
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"], "level": r["level"]}) + "\n"
+                            for r in rows))
+    return model_dir, data
+
+
+# ---- our side --------------------------------------------------------------------------------------
+def run_ours(model_dir: Path, data: Path, steps: int, threads: int) -> dict:
+    import torch
+    from rich.console import Console
+
+    from posttrain.models import load_tokenizer
+    from posttrain.pipeline.config import Recipe
+    from posttrain.pipeline.context import RunContext
+    from posttrain.stages.grpo import run_grpo
+    from posttrain.telemetry import Telemetry
+    from posttrain.worlds.arithmetic import ArithmeticWorld
+
+    torch.set_num_threads(threads)
+    stage = {"stage": "grpo", "steps": steps + 1, "batch_size": SEQS, "group_size": G, "max_new_tokens": COMPLETION,
+             "temperature": 1.0, "kl_coef": 0.0, "loss": "dapo", "mu": 1, "rewards": [{"name": "gold"}],
+             "data": [{"path": str(data)}], "log_every": 1, "save_every": steps + 1,
+             "optim": {"lr": LR, "warmup_steps": 0, "min_lr_ratio": 1.0}}
+    recipe = Recipe.model_validate({"name": "bench", "threads": threads, "stages": [stage]})
+    records: list[dict] = []
+    cpu: list[float] = []
+
+    class Sink:
+        def log(self, r: dict) -> None:  # called once at the end of every step (log_every 1)
+            records.append(r)
+            cpu.append(time.process_time())
+
+        def close(self) -> None:
+            pass
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        ctx = RunContext(run_dir=Path(run_dir), recipe=recipe, device=torch.device("cpu"),
+                         tokenizer=load_tokenizer(model_dir), world=ArithmeticWorld(seed=0),
+                         telemetry=Telemetry.disabled(), sink=Sink(), start=model_dir, console=Console(quiet=True))
+        base = _rss_mib()
+        run_grpo(recipe.stages[0], ctx)
+    times = [r["train/seconds_per_rollout"] for r in records][1:]
+    cpu_times = [b - a for a, b in itertools.pairwise(cpu)]  # from the end of step 1: warm-up dropped
+    settings = ("posttrain grpo stage: fp32, no activation checkpointing, native rollout engine (KV cache, fused "
+                f"Llama kernels), loss dapo (token mean, clip 0.8–1.28), G={G}, {SEQS} seq/step, ≤{COMPLETION} new "
+                f"tokens, T=1, kl_coef 0, μ=1, grad_accum 1, AdamW lr {LR}, {threads} threads")
+    return {"side": "posttrain", "settings": settings, "s_per_step": statistics.median(times),
+            "cpu_s_per_step": statistics.median(cpu_times), "steps": len(times),
+            "peak_rss_mib": _rss_mib(), "rss_after_setup_mib": base,
+            "completion_tokens_mean": statistics.mean(r["response/length_mean"] for r in records)}
+
+
+# ---- TRL -------------------------------------------------------------------------------------------
+def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, defaults: bool) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from posttrain.stages._rlvr import world_gold
+
+    torch.set_num_threads(threads)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+
+    def gold(completions, answer, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(x) for x in world_gold(texts, answer=answer)]
+
+    stamps: list[float] = []
+    cpu: list[float] = []
+    lengths: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    extra = {} if defaults else {"bf16": False, "gradient_checkpointing": False}
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(output_dir=out, per_device_train_batch_size=SEQS, num_generations=G,
+                          max_completion_length=COMPLETION, temperature=1.0, beta=0.0, num_iterations=1,
+                          loss_type="dapo", learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                          max_steps=steps + 1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                          disable_tqdm=True, **extra)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        trainer = GRPOTrainer(model=model, reward_funcs=gold, args=args, train_dataset=ds, processing_class=tok,
+                              callbacks=[Clock()])
+        base = _rss_mib()
+        start = time.perf_counter()
+        trainer.train()
+    ends = [start] + stamps
+    times = [b - a for a, b in itertools.pairwise(ends)][1:]
+    a = trainer.args
+    settings = (f"TRL {__import__('trl').__version__} GRPOTrainer ({'CPU defaults' if defaults else 'plain fp32'}): "
+                f"bf16={a.bf16}, gradient_checkpointing={a.gradient_checkpointing}, loss {a.loss_type}, "
+                f"G={a.num_generations}, {a.per_device_train_batch_size} seq/step, ≤{a.max_completion_length} new tokens, "
+                f"T={a.temperature}, beta {a.beta}, num_iterations {a.num_iterations}, "
+                f"transformers generate, AdamW lr {a.learning_rate}, {threads} threads")
+    return {"side": "trl-defaults" if defaults else "trl-fp32", "settings": settings,
+            "s_per_step": statistics.median(times),
+            "cpu_s_per_step": statistics.median(b - a for a, b in itertools.pairwise(cpu)),
+            "steps": len(times), "peak_rss_mib": _rss_mib(),
+            "rss_after_setup_mib": base, "completion_tokens_mean": statistics.mean(lengths) if lengths else float("nan")}
+
+
+# ---- driver ----------------------------------------------------------------------------------------
+def _side(side: str, model_dir: Path, data: Path, steps: int, threads: int) -> dict:
+    cmd = [sys.executable, __file__, "--side", side, "--model", str(model_dir), "--data", str(data),
+           "--steps", str(steps), "--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{side} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_grpo(steps: int = 6, threads: int = 2) -> dict:
+    """Run the three sides, print settings, s/step, peak memory and the speed-ups; return the numbers."""
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir, data = prepare(Path(folder))
+        results = {s: _side(s, model_dir, data, steps, threads) for s in ("posttrain", "trl-defaults", "trl-fp32")}
+    print(f"\nGRPO step, tiny-30m, G={G}, {SEQS} sequences/step, ≤{COMPLETION} completion tokens, KL 0 "
+          f"(median of {steps} steps after 1 warm-up; {threads} threads)")
+    for r in results.values():
+        print(f"  {r['side']:<13} {r['s_per_step']:6.3f} s/step wall, {r['cpu_s_per_step']:6.3f} s/step CPU   peak RSS {r['peak_rss_mib']:7.0f} MiB "
+              f"(after setup {r['rss_after_setup_mib']:.0f})   mean completion {r['completion_tokens_mean']:.1f} tokens")
+        print(f"      {r['settings']}")
+    ours, ours_cpu = results["posttrain"]["s_per_step"], results["posttrain"]["cpu_s_per_step"]
+    for side in ("trl-defaults", "trl-fp32"):
+        print(f"  speed-up vs {side}: {results[side]['s_per_step'] / ours:.2f}× wall, "
+              f"{results[side]['cpu_s_per_step'] / ours_cpu:.2f}× CPU time   (target ≥ 2.5×)")
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--side", choices=["posttrain", "trl-defaults", "trl-fp32"])
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--data", type=Path)
+    a = ap.parse_args()
+    if a.side is None:
+        bench_grpo(a.steps, a.threads)
+        return
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if a.side == "posttrain":
+        r = run_ours(a.model, a.data, a.steps, a.threads)
+    else:
+        r = run_trl(a.model, a.data, a.steps, a.threads, defaults=a.side == "trl-defaults")
+    print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

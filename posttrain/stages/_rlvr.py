@@ -1,0 +1,131 @@
+"""What the RLVR stages (`grpo`, `rejection_sampling`) share: problems, verifiers built from the recipe,
+scoring a rollout, and the group bookkeeping of group-relative methods.
+
+Rows of a rollout are prompt-major (`Rollout.prompt_index`): the G samples of prompt i are rows
+i·G … i·G + G − 1, which is the layout `posttrain.losses.grpo_advantages` expects.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posttrain.data import Problem, encode_prompt, read_jsonl
+from posttrain.pipeline.config import DataSource, RewardSpec
+from posttrain.pipeline.context import RunContext
+from posttrain.rewards import (
+    CombinedRewards,
+    Scores,
+    Skip,
+    WeightedVerifier,
+    build_verifier,
+    combine,
+)
+from posttrain.rollout import Rollout
+from posttrain.worlds.arithmetic import LEVELS, gold_reward
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+# ---- problems ------------------------------------------------------------------------------------
+def load_problems(ctx: RunContext, sources: Sequence[DataSource], *, levels: list[str] | None,
+                  seed_offset: int = 0) -> list[Problem]:
+    """Every source's problems, in order: world problems (never an eval problem) or a `problem` JSONL."""
+    if levels is not None:
+        unknown = [lv for lv in levels if lv not in LEVELS]
+        if unknown:
+            raise ValueError(f"levels: unknown world level(s) {unknown}; expected some of {list(LEVELS)}")
+    out: list[Problem] = []
+    for i, src in enumerate(sources):
+        if src.path is not None:
+            out += read_jsonl(src.path, "problem").records
+            continue
+        rows = ctx.world.problems(src.n, levels=levels, seed_offset=seed_offset + i)
+        out += [Problem(prompt=r["prompt"], answer=r["answer"], level=r["level"],
+                        meta={k: r[k] for k in ("a", "op", "b")}, origin=f"world[{j}]") for j, r in enumerate(rows)]
+    if not out:
+        raise ValueError("no problems: the stage's `data` sources are empty")
+    return out
+
+
+def encode_problems(problems: Sequence[Problem], tokenizer: Any, max_len: int) -> list[list[int]]:
+    """Prompt ids with the chat template's generation prompt; an over-long prompt is an error naming it."""
+    return [encode_prompt(p, tokenizer, max_len) for p in problems]
+
+
+# ---- rewards -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Gold:
+    value: int  # what `gold_reward` reads of a Fact
+
+
+def world_gold(completions: list[str], *, answer: Sequence[str | None], **_: Any) -> Scores:
+    """The arithmetic world's gold judge as a verifier: 0 wrong or off-format, 1 concise correct,
+    down to 0.5 for a correct answer after rambling (`posttrain.worlds.arithmetic.gold_reward`).
+    A gold answer that is not an integer cannot be judged (None, `unjudgeable`)."""
+    values: list[float | None] = []
+    reasons: list[Skip | None] = []
+    for completion, gold in zip(completions, answer):
+        if gold is None or not _INTEGER.fullmatch(str(gold).strip()):
+            values.append(None)
+            reasons.append(Skip.UNJUDGEABLE)
+        else:
+            values.append(gold_reward(_Gold(int(str(gold).strip())), completion))  # type: ignore[arg-type]
+            reasons.append(None)
+    return Scores(values, reasons)
+
+
+def build_rewards(specs: Sequence[RewardSpec]) -> list[WeightedVerifier]:
+    """The recipe's verifiers, built once per stage (close them with `close_rewards`)."""
+    out = []
+    for spec in specs:
+        fn = world_gold if spec.name == "gold" else build_verifier(spec.name, **spec.params)
+        if spec.name == "gold" and spec.params:
+            raise ValueError(f"rewards: verifier 'gold' takes no params, got {sorted(spec.params)}")
+        out.append(WeightedVerifier(spec.name, fn, spec.weight))
+    return out
+
+
+def close_rewards(verifiers: Sequence[WeightedVerifier]) -> None:
+    for v in verifiers:
+        close = getattr(v.verifier, "close", None)
+        if close is not None:
+            close()
+
+
+def score_rollout(verifiers: Sequence[WeightedVerifier], rollout: Rollout, problems: Sequence[Problem]) -> CombinedRewards:
+    """Score every row against its prompt's problem. Columns: `answer`, `tests`, `level`, `lengths`
+    (completion tokens, EOS included)."""
+    rows = rollout.prompt_index.tolist()
+    cols: dict[str, list[Any]] = {
+        "answer": [problems[i].answer for i in rows],
+        "level": [problems[i].level for i in rows],
+        "lengths": rollout.completion_lengths.tolist(),
+    }
+    if any(problems[i].tests is not None for i in rows):
+        cols["tests"] = [problems[i].tests for i in rows]
+    return combine(verifiers, rollout.texts, **cols)
+
+
+def passed(rewards: CombinedRewards, first: str, threshold: float) -> list[bool]:
+    """Per row: the first listed verifier judged it and scored at least `threshold`."""
+    return [v is not None and v >= threshold for v in rewards.per_verifier[first]]
+
+
+# ---- groups --------------------------------------------------------------------------------------
+@torch.no_grad()
+def group_keep(total: Sequence[float | None], group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Which groups can carry a gradient. Shape: total (P·G,) → three (P,) bool tensors:
+    (judged: every member has a reward, varied: judged and not all rewards equal, unjudged)."""
+    if len(total) % group_size:
+        raise ValueError(f"group_keep: {len(total)} rewards do not split into groups of {group_size}")
+    missing = torch.tensor([t is None for t in total]).reshape(-1, group_size)        # (P, G)
+    r = torch.tensor([0.0 if t is None else t for t in total]).reshape(-1, group_size)  # (P, G)
+    judged = ~missing.any(1)
+    varied = judged & ((r.amax(1) - r.amin(1)) > 1e-9)
+    return judged, varied, ~judged

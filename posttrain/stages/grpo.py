@@ -1,0 +1,348 @@
+"""RLVR: GRPO, DAPO and Dr. GRPO against programmatic verifiers, with dynamic sampling.
+
+References:
+- GRPO: Shao et al. 2024, "DeepSeekMath", §4.1, eq. 3: G samples per prompt, advantage
+  Â_i = (r_i − mean(r)) / std(r) for every token of sample i, the PPO clipped surrogate with the
+  ratio π_θ/π_old per token, the k3 KL to the reference (eq. 4) inside the loss, and the loss
+  averaged per sequence then over the group (`seq_mean_token_mean`).
+- DAPO: Yu et al. 2025, eqs. 8–12: clip-higher (ε_low 0.2, ε_high 0.28), dynamic sampling (eq. 11:
+  keep only groups with 0 < #correct < G, sample until the batch is full), token-level mean
+  (eq. 12), overlong filtering (§3.4: truncated samples masked out), no KL term.
+- Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training", §3.1: no std division in the
+  advantage, and the loss summed over tokens and divided by a constant (the generation budget),
+  removing GRPO's length and difficulty biases.
+
+The three losses are rows of one table (`VARIANTS`): advantage function, aggregation, clip range.
+
+Departures (numbered):
+1. `steps` counts optimizer steps; a rollout batch is reused for μ of them, each over the whole
+   batch (no shuffled mini-batches), with the importance ratio against the sampling-time
+   `policy_logprobs` (the raw model at T = 1, as the rollout engine records them). With μ = 1 the
+   ratio is 1 up to kernel round-off and the clip never binds.
+2. The training log-probs are the raw model's (T = 1) even when rollouts are sampled at T < 1:
+   the update sharpens the model itself, which is what greedy evaluation reads. Sampling at T < 1
+   is then mildly off-policy (samples come from the tempered policy); see docs/rlvr.md for why it
+   is what made the tiny model learn.
+3. Dynamic sampling is bounded (`max_rounds`): if the batch is still short, the step trains on the
+   groups it has (counted as `dynamic/short_groups`), and a step with no usable group takes no
+   optimizer step (the scheduler still advances, so `steps` keeps its meaning). Every sequence
+   generated and not trained on is counted (`dynamic/waste_frac`).
+4. A group in which any sample could not be judged (a verifier returned None) is dropped whole:
+   a missing reward would put its siblings' advantages on a different baseline.
+5. The reference for the KL term is the checkpoint the stage started from, frozen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from posttrain.data import EpochSampler, Problem
+from posttrain.losses import (
+    AGGREGATIONS,
+    Aggregation,
+    PolicyStats,
+    dr_grpo_advantages,
+    entropy_from_logits,
+    grpo_advantages,
+    kl_k3,
+    loss_normalizer,
+    ppo_clip_loss,
+    token_logprobs,
+)
+from posttrain.losses._enum import StrEnum
+from posttrain.models import load_model
+from posttrain.pipeline.config import GRPOStage
+from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.pipeline.evals import greedy
+from posttrain.rewards import WeightedVerifier
+from posttrain.rollout import Rollout, SamplingParams, make_engine
+from posttrain.rollout.text import positions_from_mask
+from posttrain.stages._rlvr import (
+    build_rewards,
+    close_rewards,
+    encode_problems,
+    group_keep,
+    load_problems,
+    passed,
+    score_rollout,
+)
+from posttrain.stages._training import Trainer, optimizer_step, save, start_or_resume
+from posttrain.telemetry import costs
+from posttrain.worlds.arithmetic import parse_answer
+
+
+# ---- the loss variants ---------------------------------------------------------------------------
+class GRPOLoss(StrEnum):
+    GRPO = "grpo"
+    DAPO = "dapo"
+    DR_GRPO = "dr_grpo"
+
+
+@dataclass(frozen=True)
+class LossVariant:
+    advantages: Callable[..., Tensor]  # (rewards (N,), *, group_size) → (N,)
+    aggregation: Aggregation
+    clip_low: float
+    clip_high: float
+
+
+VARIANTS: dict[GRPOLoss, LossVariant] = {
+    GRPOLoss.GRPO: LossVariant(grpo_advantages, Aggregation.SEQ_MEAN_TOKEN_MEAN, 0.2, 0.2),
+    GRPOLoss.DAPO: LossVariant(grpo_advantages, Aggregation.TOKEN_MEAN, 0.2, 0.28),
+    GRPOLoss.DR_GRPO: LossVariant(dr_grpo_advantages, Aggregation.SEQ_MEAN_TOKEN_SUM_NORM, 0.2, 0.2),
+}
+
+
+def grpo_token_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
+                    mask: Tensor, *, clip_low: float, clip_high: float, kl_coef: float) -> tuple[Tensor, Tensor, PolicyStats]:
+    """Per-token GRPO loss: clipped surrogate + kl_coef · k3(π ‖ π_ref) (DeepSeekMath eq. 3).
+
+    Shape: logprobs, old_logprobs, ref_logprobs, mask (B, T); advantages (B,). Returns the loss (B, T)
+    (0 outside the mask), the per-token k3 (B, T) (zeros without a reference) and the clip stats.
+    """
+    loss, stats = ppo_clip_loss(logprobs, old_logprobs, advantages[:, None], mask, clip_low=clip_low, clip_high=clip_high)
+    if ref_logprobs is None:
+        return loss, torch.zeros_like(loss), stats
+    kl = torch.where(mask.bool(), kl_k3(logprobs, ref_logprobs), 0.0)
+    return loss + kl_coef * kl, kl.detach(), stats
+
+
+# ---- the rollout batch ---------------------------------------------------------------------------
+@dataclass
+class GroupBatch:
+    """The sequences one rollout batch trains on, re-padded as one batch. R rows, P prompt, N completion."""
+
+    input_ids: Tensor       # (R, P + N): left-padded prompt, right-padded completion
+    attention_mask: Tensor  # (R, P + N) bool
+    position_ids: Tensor    # (R, P + N) as the rollout engine used them
+    mask: Tensor            # (R, N) bool: completion tokens in the loss
+    old_logprobs: Tensor    # (R, N) sampling-time log π_old (raw model, T = 1)
+    advantages: Tensor      # (R,)
+    prompt_len: int
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, sl: slice) -> GroupBatch:
+        return GroupBatch(self.input_ids[sl], self.attention_mask[sl], self.position_ids[sl], self.mask[sl],
+                          self.old_logprobs[sl], self.advantages[sl], self.prompt_len)
+
+
+def build_batch(pieces: list[tuple[Rollout, list[int], Tensor]], pad_id: int, *, mask_truncated: bool) -> GroupBatch:
+    """Concatenate the kept rows of several rollouts (each (rollout, rows, advantages (len(rows),)))."""
+    prompts, completions, olds, advs, keep = [], [], [], [], []
+    for ro, rows, adv in pieces:
+        lengths = ro.completion_lengths.tolist()
+        for j, r in enumerate(rows):
+            prompts.append(ro.prompt_ids[r][ro.prompt_mask[r]])
+            completions.append(ro.completion_ids[r, : lengths[r]])
+            olds.append(ro.policy_logprobs[r, : lengths[r]])
+            keep.append(not (mask_truncated and ro.finish_reason[r] == "length"))
+        advs.append(adv)
+    p_len, n_len = max(len(p) for p in prompts), max(len(c) for c in completions)
+    rows_n = len(prompts)
+    ids = torch.full((rows_n, p_len + n_len), pad_id, dtype=torch.long)
+    attn = torch.zeros((rows_n, p_len + n_len), dtype=torch.bool)
+    old = torch.zeros((rows_n, n_len))
+    for i, (p, c, o) in enumerate(zip(prompts, completions, olds)):
+        ids[i, p_len - len(p) : p_len], attn[i, p_len - len(p) : p_len] = p, True
+        ids[i, p_len : p_len + len(c)], attn[i, p_len : p_len + len(c)] = c, True
+        old[i, : len(o)] = o
+    mask = attn[:, p_len:] & torch.tensor(keep)[:, None]
+    return GroupBatch(ids, attn, positions_from_mask(attn), mask, old, torch.cat(advs).float(), p_len)
+
+
+def completion_logits(model: torch.nn.Module, b: GroupBatch) -> Tensor:
+    """Logits predicting each completion token. Shape: (R, N, V)."""
+    n = b.mask.shape[1]
+    out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+                logits_to_keep=n + 1)
+    return out.logits[:, :-1]
+
+
+@dataclass
+class Collected:
+    pieces: list[tuple[Rollout, list[int], Tensor]]
+    metrics: dict[str, float]
+
+
+def collect_groups(ctx: RunContext, cfg: GRPOStage, engine, verifiers: list[WeightedVerifier], variant: LossVariant,
+                   problems: list[Problem], prompts: list[list[int]], sampler: EpochSampler, step: int) -> Collected:
+    """Generate and score groups until `batch_size / group_size` usable ones are in hand (bounded).
+
+    Phases `generate` and `score`. Without dynamic sampling, one round, every judged group kept
+    (zero-variance groups have advantage 0 and only count in the normalizers)."""
+    g, want = cfg.group_size, cfg.batch_size // cfg.group_size
+    pieces: list[tuple[Rollout, list[int], Tensor]] = []
+    kept = generated = zero_var = unjudged = 0
+    m: dict[str, float] = {}
+    for rnd in range(cfg.max_rounds if cfg.dynamic_sampling else 1):
+        need = want - kept
+        if need <= 0:
+            break
+        keep_rate = kept / generated if generated else 1.0
+        n_draw = need if rnd == 0 else min(want, math.ceil(need / max(keep_rate, 1 / want)))
+        idx = [sampler.next_batch()[0] for _ in range(n_draw)]
+        params = SamplingParams(n=g, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                                seed=ctx.recipe.seed * 1_000_003 + step * 101 + rnd)
+        with ctx.phase("generate", stage=cfg.folder, step=step) as p:
+            ro = engine.generate([prompts[i] for i in idx], params)
+            p.cost = costs.decode(engine.model.config, batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
+                                  new_tokens=max(1, ro.completion_ids.shape[1]))
+        with ctx.phase("score", stage=cfg.folder, step=step):
+            batch_problems = [problems[i] for i in idx]
+            rewards = score_rollout(verifiers, ro, batch_problems)
+            judged, varied, missing = group_keep(rewards.total, g)
+            total = torch.tensor([0.0 if t is None else t for t in rewards.total])
+            adv = variant.advantages(total, group_size=g).reshape(-1, g)                    # (P, G)
+        usable = varied if cfg.dynamic_sampling else judged
+        groups = usable.nonzero()[:, 0].tolist()[:need]
+        for gi in groups:
+            pieces.append((ro, list(range(gi * g, gi * g + g)), adv[gi]))
+        generated, kept = generated + len(idx), kept + len(groups)
+        zero_var += int((judged & ~varied).sum())
+        unjudged += int(missing.sum())
+        if rnd == 0:  # the first round is an unfiltered sample of the policy: its reward metrics
+            m.update(rewards.metrics())
+            lengths = ro.completion_lengths.float()
+            m.update({"reward/pass_rate": sum(passed(rewards, verifiers[0].name, cfg.pass_threshold)) / len(ro),
+                      "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+                      "response/clipped_ratio": sum(r == "length" for r in ro.finish_reason) / len(ro)})
+    m.update({"groups/zero_variance_frac": zero_var / generated, "groups/unjudged": float(unjudged),
+              "dynamic/rounds": float(rnd + 1), "dynamic/generated_groups": float(generated),
+              "dynamic/kept_groups": float(kept), "dynamic/short_groups": float(want - kept),
+              "dynamic/waste_frac": 1 - kept / generated})
+    return Collected(pieces, m)
+
+
+# ---- one update ----------------------------------------------------------------------------------
+def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps: Tensor | None, variant: LossVariant,
+           clip: tuple[float, float]) -> dict[str, float]:
+    """One optimizer step over the whole batch in `grad_accum` micro-batches; exact accumulation
+    (normalizers counted over the whole batch first)."""
+    norm = loss_normalizer(b.mask, constant_length=cfg.max_new_tokens)
+    aggregate = AGGREGATIONS[variant.aggregation]
+    micro = math.ceil(len(b) / cfg.grad_accum)
+    sums = {"loss/policy": 0.0, "kl": 0.0, "entropy": 0.0, "clip/low": 0.0, "clip/high": 0.0, "clip/approx_kl": 0.0}
+    ratio_max = 0.0
+    tokens = float(b.mask.sum())
+    for i in range(0, len(b), micro):
+        mb, sl = b.rows(slice(i, i + micro)), slice(i, i + micro)
+        with ctx.autocast():
+            logits = completion_logits(t.model, mb)                                          # (r, N, V)
+        logps = token_logprobs(logits.float(), mb.input_ids[:, mb.prompt_len :])            # (r, N)
+        ref = None if ref_logps is None else ref_logps[sl]
+        tok_loss, kl, stats = grpo_token_loss(logps, mb.old_logprobs, ref, mb.advantages, mb.mask,
+                                              clip_low=clip[0], clip_high=clip[1], kl_coef=cfg.kl_coef)
+        loss = aggregate(tok_loss, mb.mask, norm)
+        loss.backward()
+        share = float(mb.mask.sum()) / tokens  # stats are token means of the micro-batch: weight by tokens
+        with torch.no_grad():
+            ent = entropy_from_logits(logits.detach())
+            sums["entropy"] += float((ent * mb.mask).sum()) / tokens
+            sums["kl"] += float(kl.sum()) / tokens
+        f = stats.as_floats()
+        sums["loss/policy"] += float(loss.detach())
+        sums["clip/low"] += f["clip_frac_low"] * share
+        sums["clip/high"] += f["clip_frac_high"] * share
+        sums["clip/approx_kl"] += f["approx_kl"] * share
+        ratio_max = max(ratio_max, f["ratio_max"])
+    grad_norm = optimizer_step(t, cfg.optim)
+    return {**sums, "clip/ratio_max": ratio_max, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0]}
+
+
+@torch.no_grad()
+def reference_logprobs(ref_model: torch.nn.Module, b: GroupBatch, micro: int) -> Tensor:
+    """log π_ref of every completion token. Shape: (R, N)."""
+    out = [token_logprobs(completion_logits(ref_model, b.rows(slice(i, i + micro))).float(),
+                          b.input_ids[i : i + micro, b.prompt_len :]) for i in range(0, len(b), micro)]
+    return torch.cat(out)
+
+
+def greedy_exact_match(ctx: RunContext, model: torch.nn.Module, levels: list[str], n: int) -> dict[str, float]:
+    """In-stage eval: greedy exact match on the first `n` held-out problems of each level."""
+    out = {}
+    for level in levels:
+        problems = ctx.world.eval_problems(level)[:n]
+        ids = encode_problems([Problem(prompt=p["prompt"]) for p in problems], ctx.tokenizer, 10_000)
+        texts, reasons = greedy(model, ctx.tokenizer, ids, ctx.recipe.eval.max_new_tokens, ctx.recipe.eval.batch_size)
+        hits = sum(r == "stop" and parse_answer(x) == int(p["answer"]) for x, r, p in zip(texts, reasons, problems))
+        out[f"eval/exact_match/{level}"] = hits / len(problems)
+    return out
+
+
+# ---- the stage -----------------------------------------------------------------------------------
+def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
+    # ---- setup ---------------------------------------------------------------------------------
+    tok, stage = ctx.tokenizer, cfg.folder
+    variant = VARIANTS[GRPOLoss(cfg.loss)]
+    clip = (cfg.clip_low or variant.clip_low, cfg.clip_high or variant.clip_high)
+    problems = load_problems(ctx, cfg.data, levels=cfg.levels)
+    prompts = encode_problems(problems, tok, cfg.max_prompt_len)
+    verifiers = build_rewards(cfg.rewards)
+    t = start_or_resume(ctx, cfg)
+    sampler = EpochSampler(len(problems), 1, seed=ctx.recipe.seed)
+    if t.data_state is not None:
+        sampler.load_state_dict(t.data_state)
+    engine = make_engine(cfg.backend, t.model, tok)
+    ref_model = load_model(ctx.start, device=ctx.device).eval() if cfg.kl_coef > 0 else None
+    prompts_per_step = cfg.batch_size // cfg.group_size
+    ctx.console.print(
+        f"{stage}: loss {cfg.loss} ({variant.aggregation}, clip {1 - clip[0]:.2f}–{1 + clip[1]:.2f}), "
+        f"{len(problems):,} problems; {prompts_per_step} prompts × G={cfg.group_size} = {cfg.batch_size} sequences "
+        f"(≤ {cfg.batch_size * cfg.max_new_tokens:,} completion tokens) per rollout, μ={cfg.mu} optimizer steps each; "
+        f"{cfg.steps // cfg.mu} rollouts; T={cfg.temperature}; KL coef {cfg.kl_coef}; "
+        f"dynamic sampling {f'on, ≤ {cfg.max_rounds} rounds' if cfg.dynamic_sampling else 'off'}; "
+        f"rewards {', '.join(f'{r.name}×{r.weight:g}' for r in cfg.rewards)}")
+
+    # ---- loop ----------------------------------------------------------------------------------
+    metrics: dict[str, float] = {}
+    try:
+        with ctx.progress() as bar:
+            task = bar.add_task(stage, total=cfg.steps, completed=t.step, info="")
+            while t.step < cfg.steps:
+                step = t.step + cfg.mu  # the optimizer step this rollout ends on: phases and metrics use it
+                t0 = time.perf_counter()
+                got = collect_groups(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler, step)
+                metrics = dict(got.metrics)
+                if not got.pieces:  # nothing to learn from: no optimizer step, the schedule moves on
+                    for _ in range(cfg.mu):
+                        t.scheduler.step()
+                        t.step += 1
+                else:
+                    b = build_batch(got.pieces, engine.pad_id, mask_truncated=cfg.mask_truncated)
+                    seq = b.input_ids.shape[1]
+                    micro = math.ceil(len(b) / cfg.grad_accum)
+                    ref_logps = None
+                    if ref_model is not None:
+                        with ctx.phase("reference", stage=stage, step=step,
+                                       cost=costs.forward(ref_model.config, batch=len(b), seq_len=seq)):
+                            ref_logps = reference_logprobs(ref_model, b, micro)
+                    for it in range(cfg.mu):
+                        with ctx.phase("update", stage=stage, step=step,
+                                       cost=costs.train_step(t.model.config, batch=len(b), seq_len=seq)):
+                            upd = update(ctx, cfg, t, b, ref_logps, variant, clip)
+                        metrics.update(upd if it == 0 else {k: upd[k] for k in ("clip/low", "clip/high", "clip/approx_kl",
+                                                                                    "clip/ratio_max", "train/grad_norm")})
+                metrics["train/seconds_per_rollout"] = time.perf_counter() - t0
+                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    with ctx.phase("eval", stage=stage, step=step):
+                        metrics.update(greedy_exact_match(ctx, t.model, ctx.recipe.eval.levels, cfg.eval_problems))
+                if (step // cfg.mu) % cfg.log_every == 0 or step == cfg.steps or any(k.startswith("eval/") for k in metrics):
+                    ctx.log(stage, step, metrics)
+                bar.update(task, completed=t.step, info=f"reward {metrics.get('reward/total', float('nan')):.3f}  "
+                                                       f"pass {metrics['reward/pass_rate']:.2f}")
+                if t.step % cfg.save_every == 0 and t.step < cfg.steps:
+                    save(ctx, cfg, t, data_state=sampler.state_dict())
+    finally:
+        close_rewards(verifiers)
+
+    # ---- save ----------------------------------------------------------------------------------
+    final = save(ctx, cfg, t, data_state=sampler.state_dict(), final=True)
+    return StageResult(final, {k: v for k, v in metrics.items() if k.startswith(("reward/", "eval/", "loss/"))})

@@ -1,0 +1,274 @@
+"""PPO-RLHF: the policy against a learned reward model, under a KL penalty to the start policy.
+
+References: InstructGPT (Ouyang et al. 2022), §3.5 and eq. 2 — maximize r_φ(x, y) − β·log(π(y|x) /
+π_SFT(y|x)); Ziegler et al. 2019 (the per-token KL-shaped reward and the adaptive β, §2.2); PPO
+(Schulman et al. 2017, eq. 7) with GAE (Schulman et al. 2016). The value function is initialized from
+the reward model, as InstructGPT does.
+
+One iteration (`steps` counts iterations), every phase through telemetry:
+  generate  — one sampled response per prompt from the policy (rollout engine, KV cache)
+  score     — the reward model at the response's last token, normalized (reward_norm.json); the gold
+              judge on the same texts (logged only: `gold/reward` beside `rm/score`)
+  reference — the frozen start policy's log-probs, and the critic's values at rollout time
+  update    — per-token reward = score at the last token − β·KL_t at every token → GAE → `ppo_epochs`
+              passes of clipped-surrogate minibatch steps for the policy and clipped-value steps for
+              the critic
+The KL coefficient is fixed, or adapted toward `kl_target` (Ziegler et al. §2.2).
+
+Departures:
+1. Old log-probs are the rollout engine's `policy_logprobs` (the raw model at T = 1, what a training
+   forward of the same weights gives), not a second forward; the ratio and the KL use T = 1
+   log-probs whatever the sampling temperature.
+2. The critic is a separate model (the reward model's weights, own AdamW at `critic_lr`), not a head on
+   the policy's trunk, so value-loss gradients never move the policy.
+3. A rollout cut by `max_new_tokens` gets `missing_eos_score` instead of its RM score (the
+   reward model never saw an unfinished reply; a common guard against length hacking).
+4. The learning-rate schedule and `steps` count iterations; each iteration takes
+   ppo_epochs × batch_size / minibatch_size optimizer steps of both models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from posttrain.data import EpochSampler, encode_prompt, read_jsonl
+from posttrain.losses import (
+    AdaptiveKLController,
+    FixedKLController,
+    clipped_value_loss,
+    entropy_from_logits,
+    gae,
+    kl_penalty_rewards,
+    loss_normalizer,
+    masked_whiten,
+    ppo_clip_loss,
+    token_logprobs,
+    token_mean,
+)
+from posttrain.models import load_model
+from posttrain.models.heads import (
+    RewardNormalization,
+    is_reward_model,
+    last_token_scores,
+    load_scalar_model,
+    token_scores,
+)
+from posttrain.pipeline.checkpoint import final_checkpoint
+from posttrain.pipeline.config import PPOStage
+from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.rollout import Rollout, SamplingParams, make_engine
+from posttrain.stages._gold_eval import (
+    compare_to_reference,
+    fact_of,
+    gold_rewards,
+    heldout_problems,
+)
+from posttrain.stages._training import (
+    build_optimizer,
+    save,
+    start_or_resume,
+    warmup_cosine,
+)
+from posttrain.telemetry import costs
+
+
+def resolve_reward_model(ctx: RunContext, cfg: PPOStage) -> Path:
+    """The reward model: the named stage's final checkpoint in this run, or a path to one."""
+    in_run = final_checkpoint(ctx.stage_dir(cfg.reward_model))
+    path = in_run or Path(cfg.reward_model)
+    if not is_reward_model(path):
+        raise ValueError(f"{cfg.folder}: reward_model {cfg.reward_model!r} is neither a finished reward_model stage of "
+                         f"this run ({ctx.stage_dir(cfg.reward_model)}/final) nor a reward-model folder with reward_norm.json")
+    return path
+
+
+def resolve_policy(ctx: RunContext, norm: RewardNormalization) -> Path:
+    """The policy to start from: ctx.start — unless the pipeline handed over a reward model (its resume
+    path after a finished reward_model stage), whose reward_norm.json names the policy it was built for."""
+    if not is_reward_model(ctx.start):
+        return ctx.start
+    policy = Path(norm.policy)
+    return policy if policy.is_absolute() else ctx.run_dir / policy
+
+
+def load_prompts(ctx: RunContext, cfg: PPOStage) -> list[dict]:
+    """Prompt rows ({"prompt", …}); world rows carry a, op, b for the gold judge."""
+    rows: list[dict] = []
+    for src in cfg.data:
+        if src.path is not None:
+            rows += [{"prompt": r.prompt, **r.meta} for r in read_jsonl(src.path, "problem").records]
+        else:
+            rows += ctx.world.problems(src.n, levels=cfg.levels, seed_offset=3)
+    return rows
+
+
+def completion_logits(model, r: Rollout) -> Tensor:
+    """Logits predicting each completion token. Shape: (R, N, V)."""
+    n = r.completion_ids.shape[1]
+    out = model(input_ids=r.sequence_ids, attention_mask=r.sequence_mask, position_ids=r.position_ids, logits_to_keep=n + 1)
+    return out.logits[:, :-1]
+
+
+def completion_values(critic, r: Rollout) -> Tensor:
+    """V(s_t) for each completion token t: the critic at the position that predicts it. Shape: (R, N)."""
+    p = r.prompt_ids.shape[1]
+    return token_scores(critic, r.sequence_ids, r.sequence_mask, r.position_ids)[:, p - 1 : -1]
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 − Var(R − V) / Var(R) over masked-in tokens (1: perfect critic, 0: no better than a constant)."""
+    keep = mask.bool()
+    v, ret = values[keep], returns[keep]
+    var = ret.var()
+    return float(1 - (ret - v).var() / var) if var > 0 else float("nan")
+
+
+def minibatch_step(model, optimizer, loss: Tensor, grad_clip: float) -> float:
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
+    # ---- setup ---------------------------------------------------------------------------------
+    tok, seed = ctx.tokenizer, ctx.recipe.seed
+    rm_path = resolve_reward_model(ctx, cfg)
+    norm = RewardNormalization.load(rm_path)
+    ctx = dataclasses.replace(ctx, start=resolve_policy(ctx, norm))
+    problems = load_prompts(ctx, cfg)
+    prompt_ids = [encode_prompt(p["prompt"], tok, cfg.max_prompt_len, origin=p.get("origin", "")) for p in problems]
+    t = start_or_resume(ctx, cfg)
+    reference = load_model(ctx.start, device=ctx.device).eval().requires_grad_(False)
+    reward_model = load_scalar_model(rm_path, device=ctx.device).eval().requires_grad_(False)
+    critic = load_scalar_model(rm_path, device=ctx.device).train()
+    critic_optim_cfg = cfg.optim.model_copy(update={"lr": cfg.critic_lr})
+    critic_opt = build_optimizer(critic, critic_optim_cfg)
+    critic_sched = warmup_cosine(critic_opt, critic_optim_cfg, cfg.steps)
+    kl_ctl = (AdaptiveKLController(cfg.kl_coef, target=cfg.kl_target, horizon=cfg.kl_horizon)
+              if cfg.kl_target is not None else FixedKLController(cfg.kl_coef))
+    sampler = EpochSampler(len(problems), cfg.batch_size, seed=seed)
+    if t.data_state is not None:
+        sampler.load_state_dict(t.data_state["sampler"])
+        critic.load_state_dict(t.data_state["critic"])
+        critic_opt.load_state_dict(t.data_state["critic_optimizer"])
+        critic_sched.load_state_dict(t.data_state["critic_scheduler"])
+        kl_ctl.load_state_dict(t.data_state["kl"])
+    engine = make_engine("native", t.model, tok)
+    minibatches = cfg.batch_size // cfg.minibatch_size
+    ctx.console.print(
+        f"{cfg.folder}: policy {ctx.start}, reward model {rm_path} (normalized: mean {norm.mean:.3f}, std {norm.std:.3f}); "
+        f"{len(problems):,} prompts; {cfg.batch_size} rollouts per iteration → {cfg.ppo_epochs} epochs × {minibatches} "
+        f"minibatches = {cfg.ppo_epochs * minibatches} optimizer steps per model; KL β {kl_ctl.value:g}"
+        f"{f' adaptive to {cfg.kl_target}' if cfg.kl_target else ' fixed'}")
+
+    def data_state() -> dict:
+        return {"sampler": sampler.state_dict(), "critic": critic.state_dict(), "critic_optimizer": critic_opt.state_dict(),
+                "critic_scheduler": critic_sched.state_dict(), "kl": kl_ctl.state_dict()}
+
+    # ---- loop ----------------------------------------------------------------------------------
+    metrics: dict[str, float] = {}
+    with ctx.progress() as bar:
+        task = bar.add_task(cfg.folder, total=cfg.steps, completed=t.step, info="")
+        while t.step < cfg.steps:
+            step, t0 = t.step + 1, time.perf_counter()
+            index = list(sampler.next_batch())
+            with ctx.phase("generate", stage=cfg.folder, step=step) as ph:
+                params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed * 100_003 + step)
+                r = engine.generate([prompt_ids[i] for i in index], params)
+                ph.cost = costs.decode(t.model.config, batch=len(r), prompt_len=r.prompt_ids.shape[1], new_tokens=r.completion_ids.shape[1])
+            seq_len, mask = r.sequence_ids.shape[1], r.completion_mask.float()  # mask (R, N)
+            truncated = torch.tensor([f == "length" for f in r.finish_reason], device=mask.device)
+            with ctx.phase("score", stage=cfg.folder, step=step,
+                           cost=costs.forward(reward_model.config, batch=len(r), seq_len=seq_len, logits="scalar")), torch.no_grad():
+                rm_score = norm.apply(last_token_scores(reward_model, r.sequence_ids, r.sequence_mask, r.position_ids))  # (R,)
+                score = rm_score if cfg.missing_eos_score is None else torch.where(truncated, cfg.missing_eos_score, rm_score)
+                gold = gold_rewards([fact_of(problems[i]) for i in index], r.texts, r.finish_reason)
+            with ctx.phase("reference", stage=cfg.folder, step=step,
+                           cost=costs.forward(reference.config, batch=len(r), seq_len=seq_len)
+                           + costs.forward(critic.config, batch=len(r), seq_len=seq_len, logits="scalar")), torch.no_grad(), ctx.autocast():
+                ref_logps = token_logprobs(completion_logits(reference, r), r.completion_ids)  # (R, N)
+                old_values = completion_values(critic, r)  # (R, N)
+            old_logps = r.policy_logprobs  # (R, N), departure 1
+            rewards, kl_stats = kl_penalty_rewards(score, old_logps, ref_logps, mask, kl_coef=kl_ctl.value)
+            advantages, returns = gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam)
+            if cfg.whiten_advantages:
+                advantages = masked_whiten(advantages, mask)
+            update_cost = (costs.train_step(t.model.config, batch=len(r), seq_len=seq_len)
+                           + costs.train_step(critic.config, batch=len(r), seq_len=seq_len, logits="scalar")) * cfg.ppo_epochs
+            with ctx.phase("update", stage=cfg.folder, step=step, cost=update_cost):
+                gen = torch.Generator().manual_seed(seed * 7919 + step)
+                stats: list[dict[str, float]] = []
+                for epoch in range(cfg.ppo_epochs):
+                    order = torch.randperm(len(r), generator=gen)
+                    for k in range(minibatches):
+                        mb = order[k * cfg.minibatch_size : (k + 1) * cfg.minibatch_size]
+                        sub = select(r, mb)
+                        m = mask[mb]
+                        norm_mb = loss_normalizer(m)
+                        with ctx.autocast():
+                            logits = completion_logits(t.model, sub)  # (b, N, V)
+                            logps = token_logprobs(logits, sub.completion_ids)
+                            pl, pstats = ppo_clip_loss(logps, old_logps[mb], advantages[mb], m, clip_low=cfg.clip, clip_high=cfg.clip)
+                            policy_loss = token_mean(pl, m, norm_mb)
+                        policy_grad = minibatch_step(t.model, t.optimizer, policy_loss, cfg.optim.grad_clip)
+                        with ctx.autocast():
+                            vl, vstats = clipped_value_loss(completion_values(critic, sub), old_values[mb], returns[mb], m, clip=cfg.value_clip)
+                            value_loss = token_mean(vl, m, norm_mb)
+                        minibatch_step(critic, critic_opt, value_loss, cfg.optim.grad_clip)
+                        with torch.no_grad():
+                            entropy = token_mean(entropy_from_logits(logits.detach()), m, norm_mb)
+                        stats.append({"loss/policy": policy_loss.item(), "loss/value": value_loss.item(), "train/grad_norm": policy_grad,
+                                      "entropy": entropy.item(), **{f"policy/{k}": v for k, v in pstats.as_floats().items()},
+                                      "value/clip_frac": vstats.as_floats()["clip_frac"]})
+                t.scheduler.step()
+                critic_sched.step()
+                t.step += 1
+            kl = kl_stats.as_floats()
+            known = [g for g in gold if g is not None]
+            metrics = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+            metrics.update({
+                "rm/score": rm_score.mean().item(), "rm/score_raw": (rm_score * norm.std + norm.mean).mean().item(),
+                "objective/score": kl["score"], "kl": kl["kl"], "kl_coef": kl_ctl.value, "objective/non_score_reward": kl["non_score_reward"],
+                "value/explained_variance": explained_variance(old_values, returns, mask),
+                "response/length": r.completion_lengths.float().mean().item(), "response/truncated": truncated.float().mean().item(),
+                "train/lr": t.scheduler.get_last_lr()[0], "train/rollouts_per_s": len(r) / (time.perf_counter() - t0)})
+            if known:
+                metrics.update({"gold/reward": sum(known) / len(known), "gold/correct": sum(g > 0 for g in known) / len(known)})
+            kl_ctl.update(kl["kl"], n_steps=len(r))
+            if step == cfg.steps and cfg.eval_per_level:
+                metrics.update(gold_comparison(ctx, cfg, t.model, reference, step))
+            if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
+                ctx.log(cfg.folder, step, metrics)
+            bar.update(task, completed=step, info=f"rm {metrics['rm/score']:+.2f}  gold {metrics.get('gold/reward', float('nan')):.2f}  kl {kl['kl']:.2f}")
+            if step % cfg.save_every == 0 and step < cfg.steps:
+                save(ctx, cfg, t, data_state=data_state())
+
+    # ---- save ----------------------------------------------------------------------------------
+    final = save(ctx, cfg, t, data_state=data_state(), final=True)
+    summary = {k: v for k, v in metrics.items() if k.startswith(("eval/", "rm/", "gold/", "kl"))}
+    return StageResult(final, summary)
+
+
+def select(r: Rollout, rows: Tensor) -> Rollout:
+    """The rollout's rows `rows` (a minibatch), every field indexed alike."""
+    keep = rows.tolist()
+    return Rollout(prompt_ids=r.prompt_ids[rows], prompt_mask=r.prompt_mask[rows], completion_ids=r.completion_ids[rows],
+                   completion_mask=r.completion_mask[rows], logprobs=r.logprobs[rows], policy_logprobs=r.policy_logprobs[rows],
+                   finish_reason=[r.finish_reason[i] for i in keep], prompt_index=r.prompt_index[rows],
+                   texts=[r.texts[i] for i in keep])
+
+
+def gold_comparison(ctx: RunContext, cfg: PPOStage, model, reference, step: int) -> dict[str, float]:
+    """The policy against the start policy on held-out problems, judged by the gold reward."""
+    with ctx.phase("eval", stage=cfg.folder, step=step):
+        h2h = compare_to_reference(model, reference, ctx.tokenizer, heldout_problems(ctx.world, cfg.eval_per_level),
+                                   temperature=cfg.eval_temperature, samples=cfg.eval_samples,
+                                   max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed + 7)
+    return h2h.metrics("eval/h2h")

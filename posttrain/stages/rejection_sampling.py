@@ -1,0 +1,190 @@
+"""Rejection sampling: N samples per prompt from the current policy, scored, the best kept as SFT data.
+
+References: Llama 2 (Touvron et al. 2023), §3.2.3 "Rejection Sampling": sample K outputs per prompt,
+keep the best by the reward, fine-tune on them; Llama 3 (Dubey et al. 2024), §4.2.2; DeepSeek-R1
+(2025), §2.3.3: rejection sampling on the RL checkpoint with rule-based verifiers, keeping only
+correct responses, for the next SFT round. Scoring here is by verifiers or the arithmetic world's
+gold judge (`rewards: [{name: gold}]`).
+
+What it writes: an SFT dataset in our JSONL schema (docs/data.md, kind `sft`), one
+`{"messages": [...prompt turns, {"role": "assistant", ...}], "reward", "level", "answer"}` row per
+kept sample, at `output` (default `<run dir>/data/<name>.jsonl`); and, so the pipeline can treat it
+like any stage, `checkpoints/<name>/final/` holding the unchanged policy. A following `sft` stage
+names the file as a data source (docs/rlvr.md, "Hand-off").
+
+Departures (numbered):
+1. A sample cut by `max_new_tokens` is never kept (it did not end its turn), whatever its score;
+   nor is an empty completion.
+2. Deduplication is by (prompt, completion with whitespace runs collapsed), across the whole
+   dataset; among duplicates the first sample is kept.
+3. `keep: best` keeps the highest summed reward at or above `min_reward`; ties go to the shorter
+   completion (then the first sampled). Prompts with no sample at or above `min_reward` contribute
+   nothing and are counted (`rs/prompts_without_keep`).
+4. No step checkpoints: a killed stage re-runs from the start (every sample is seeded by the recipe
+   seed and the batch index, so the re-run writes the same file). The dataset is written atomically,
+   before `final/` is published, so a `final/` always has its dataset.
+5. The `final/` checkpoint is a copy of the start weights (the pipeline resumes by looking for it);
+   for a large model that copy costs disk, not correctness.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from posttrain.data import Problem, prompt_messages, read_jsonl
+from posttrain.models import load_model
+from posttrain.pipeline.checkpoint import save_checkpoint
+from posttrain.pipeline.config import Recipe, RejectionSamplingStage
+from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.rollout import Rollout, SamplingParams, make_engine
+from posttrain.stages._rlvr import (
+    build_rewards,
+    close_rewards,
+    encode_problems,
+    load_problems,
+    score_rollout,
+)
+from posttrain.telemetry import costs
+
+SEED_OFFSET = 1_000  # world problems distinct from a GRPO stage's (which draws with offset 0)
+_SPACES = re.compile(r"\s+")
+
+
+def output_path(cfg: RejectionSamplingStage, run_dir: Path) -> Path:
+    """Where the stage writes its SFT JSONL."""
+    return cfg.output if cfg.output is not None else run_dir / "data" / f"{cfg.folder}.jsonl"
+
+
+def produced_paths(recipe: Recipe, run_dir: Path) -> dict[Path, int]:
+    """Files the recipe's rejection-sampling stages will write → the index of the stage writing each
+    (resolved paths), so input validation can accept a later stage's `data: [{path: ...}]` naming one."""
+    return {output_path(s, run_dir).resolve(): i for i, s in enumerate(recipe.stages)
+            if isinstance(s, RejectionSamplingStage)}
+
+
+def select(problem: Problem, texts: list[str], rewards: list[float | None], finish: list[str], *,
+           keep: str, min_reward: float) -> tuple[list[tuple[str, float]], dict[str, int]]:
+    """One prompt's kept (completion, reward) pairs and why the others were not kept.
+
+    Candidates: judged, not truncated, reward ≥ min_reward. `best`: the top reward (shorter wins a
+    tie, then the first); `all_correct`: every candidate, duplicates (whitespace-collapsed) dropped.
+    """
+    counts = {"truncated": 0, "empty": 0, "unjudged": 0, "below_min": 0, "duplicates": 0}
+    seen: set[str] = set()
+    cands: list[tuple[str, float]] = []
+    for text, r, why in zip(texts, rewards, finish):
+        if why == "length":
+            counts["truncated"] += 1
+        elif not text.strip():  # nothing to imitate (and not a valid SFT turn)
+            counts["empty"] += 1
+        elif r is None:
+            counts["unjudged"] += 1
+        elif r < min_reward:
+            counts["below_min"] += 1
+        else:
+            key = _SPACES.sub(" ", text.strip())
+            if key in seen:
+                counts["duplicates"] += 1
+            else:
+                seen.add(key)
+                cands.append((text.strip(), r))
+    if keep == "best" and cands:
+        best = min(range(len(cands)), key=lambda i: (-cands[i][1], len(cands[i][0]), i))
+        cands = [cands[best]]
+    return cands, counts
+
+
+def sft_row(problem: Problem, completion: str, reward: float) -> dict:
+    """A kept sample as one line of our SFT schema (extra columns land in the record's `meta`)."""
+    messages = [m.as_dict() for m in prompt_messages(problem.prompt)]
+    return {"messages": messages + [{"role": "assistant", "content": completion}], "reward": round(reward, 6),
+            "level": problem.level, "answer": problem.answer}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Atomic: a temporary sibling, then one rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> StageResult:
+    # ---- setup ---------------------------------------------------------------------------------
+    stage, tok = cfg.folder, ctx.tokenizer
+    problems = load_problems(ctx, cfg.data, levels=cfg.levels, seed_offset=SEED_OFFSET)
+    prompts = encode_problems(problems, tok, cfg.max_prompt_len)
+    verifiers = build_rewards(cfg.rewards)
+    model = load_model(ctx.start, device=ctx.device)
+    engine = make_engine("native", model, tok)
+    out_path = output_path(cfg, ctx.run_dir)
+    ctx.console.print(f"{stage}: {len(problems):,} prompts × N={cfg.samples} samples at T={cfg.temperature}; keep "
+                      f"{cfg.keep} with summed reward ≥ {cfg.min_reward} "
+                      f"({', '.join(f'{r.name}×{r.weight:g}' for r in cfg.rewards)}) → {out_path}")
+
+    # ---- loop ----------------------------------------------------------------------------------
+    rows: list[dict] = []
+    seen_pairs: set[tuple[str, str]] = set()
+    totals = {"truncated": 0, "empty": 0, "unjudged": 0, "below_min": 0, "duplicates": 0, "prompts_without_keep": 0}
+    samples = passes = 0
+    n_steps = -(-len(problems) // cfg.batch_prompts)
+    last: dict[str, float] = {}
+    try:
+        with ctx.progress() as bar:
+            task = bar.add_task(stage, total=n_steps, completed=0, info="")
+            for step, start in enumerate(range(0, len(problems), cfg.batch_prompts), 1):
+                idx = list(range(start, min(start + cfg.batch_prompts, len(problems))))
+                params = SamplingParams(n=cfg.samples, temperature=cfg.temperature, top_p=cfg.top_p,
+                                        max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed * 1_000_003 + step)
+                with ctx.phase("generate", stage=stage, step=step) as p:
+                    ro: Rollout = engine.generate([prompts[i] for i in idx], params)
+                    p.cost = costs.decode(model.config, batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
+                                          new_tokens=max(1, ro.completion_ids.shape[1]))
+                with ctx.phase("score", stage=stage, step=step):
+                    scored = score_rollout(verifiers, ro, [problems[i] for i in idx])
+                kept_before = len(rows)
+                for j, i in enumerate(idx):
+                    sl = slice(j * cfg.samples, (j + 1) * cfg.samples)
+                    kept, counts = select(problems[i], ro.texts[sl], scored.total[sl], ro.finish_reason[sl],
+                                          keep=cfg.keep, min_reward=cfg.min_reward)
+                    key_prompt = json.dumps([m.as_dict() for m in prompt_messages(problems[i].prompt)])
+                    new = [(c, r) for c, r in kept if (key_prompt, _SPACES.sub(" ", c)) not in seen_pairs]
+                    counts["duplicates"] += len(kept) - len(new)
+                    for c, r in new:
+                        seen_pairs.add((key_prompt, _SPACES.sub(" ", c)))
+                        rows.append(sft_row(problems[i], c, r))
+                    totals["prompts_without_keep"] += not new
+                    for k, v in counts.items():
+                        totals[k] += v
+                judged = [t for t in scored.total if t is not None]
+                samples += len(ro)
+                passes += sum(t >= cfg.min_reward for t in judged)
+                last = {**scored.metrics(), "rs/accept_rate": sum(t >= cfg.min_reward for t in judged) / len(ro),
+                        "rs/kept": float(len(rows) - kept_before)}
+                if step < n_steps:
+                    ctx.log(stage, step, last)
+                bar.update(task, completed=step, info=f"kept {len(rows):,}")
+    finally:
+        close_rewards(verifiers)
+
+    # ---- save ----------------------------------------------------------------------------------
+    if not rows:
+        raise ValueError(f"{stage}: no sample reached min_reward={cfg.min_reward} on {len(problems)} prompts × "
+                         f"{cfg.samples} samples; nothing to write (lower min_reward or raise samples)")
+    write_jsonl(out_path, rows)
+    read_jsonl(out_path, "sft")  # the hand-off contract: what we wrote reads back as SFT data
+    summary = {"rs/rows": float(len(rows)), "rs/accept_rate": passes / samples, "rs/prompts": float(len(problems)),
+               **{f"rs/{k}": float(v) for k, v in totals.items()}}
+    ctx.log(stage, n_steps, {**last, **summary})
+    ctx.console.print(f"{stage}: wrote {len(rows):,} SFT rows to {out_path} (accept rate {passes / samples:.1%}; "
+                      f"{totals['prompts_without_keep']} prompts without a kept sample, {totals['duplicates']} duplicates)")
+    state = {"stage": stage, "step": n_steps, "data": {"output": str(out_path), "rows": len(rows)}}
+    final = save_checkpoint(ctx.stage_dir(stage), model, tok, state, keep_last=1, final=True)
+    return StageResult(final, summary)

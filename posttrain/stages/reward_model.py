@@ -1,0 +1,221 @@
+"""Reward model: a scalar head on the start policy's backbone, trained with the Bradley–Terry loss.
+
+Reference: InstructGPT (Ouyang et al. 2022), §3.5 and eq. 1 — r_θ(x, y) is the SFT model with its
+unembedding replaced by a scalar projection; the loss is −log σ(r_θ(x, y_w) − r_θ(x, y_l)) averaged
+over the C(K,2) pairs of each ranking of K responses, so every ranking counts once (a pair is a
+ranking of K = 2). Normalization (appendix C.2): scores are shifted so that the start policy's samples
+average 0 — here also scaled to unit std (`posttrain.models.heads`, departure 3).
+
+Departures:
+1. The reward is read at the reply's last token (its EOS), not after the chat template's trailing
+   newline: that is where a PPO rollout ends, so training and use agree.
+2. Evals: held-out pair accuracy on fresh world pairs, per kind (style: concise vs rambling;
+   correctness: right vs wrong answer), and agreement with the gold judge on the start policy's own
+   samples (the share of same-prompt sample pairs with different gold rewards that the RM orders
+   like the judge) — the proxy-vs-gold gap PPO will meet.
+3. The stage hands the pipeline its *start* checkpoint (the policy), not the reward model: the next
+   stage (PPO) continues the policy and finds the reward model by name. `reward_norm.json` records
+   the policy too, so a PPO stage handed the reward model (the pipeline's resume path) can recover it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from posttrain.data import EncodedCompletion, EpochSampler, collate_sft, encode_prompt
+from posttrain.losses import bradley_terry_loss, rankings_to_pairs
+from posttrain.models import load_model, save_model
+from posttrain.models.heads import (
+    RewardNormalization,
+    last_token_scores,
+    load_scalar_model,
+)
+from posttrain.pipeline.checkpoint import (
+    FINAL,
+    STATE_FILE,
+    SUMMARY_FILE,
+    latest_checkpoint,
+    load_state,
+    publish,
+    rng_state,
+    set_rng_state,
+)
+from posttrain.pipeline.config import DataSource, RewardModelStage
+from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.rollout import SamplingParams, make_engine
+from posttrain.stages._gold_eval import fact_of, gold_rewards
+from posttrain.stages._preference_data import encode_ranking_like, load_records
+from posttrain.stages._training import (
+    Trainer,
+    build_optimizer,
+    optimizer_step,
+    save,
+    warmup_cosine,
+)
+from posttrain.telemetry import costs
+
+Item = list[EncodedCompletion]  # one ranking's responses, best first (a pair: [chosen, rejected])
+
+
+def start_or_resume_scalar(ctx: RunContext, cfg: RewardModelStage) -> Trainer:
+    """`_training.start_or_resume` for a scalar-head model: a new zero head on the start policy, or the
+    newest resumable checkpoint of this stage with its optimizer, schedule and RNG."""
+    resume_from = latest_checkpoint(ctx.stage_dir(cfg.folder))
+    model = load_scalar_model(resume_from or ctx.start, device=ctx.device, zero_head=resume_from is None)
+    model.train()
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = warmup_cosine(optimizer, cfg.optim, cfg.steps)
+    if resume_from is None:
+        return Trainer(model, optimizer, scheduler, step=0, data_state=None)
+    state = load_state(resume_from)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    ctx.console.print(f"[yellow]resuming {cfg.folder} from {resume_from.name} (step {state['step']})")
+    return Trainer(model, optimizer, scheduler, step=int(state["step"]), data_state=state.get("data"))
+
+
+def ranking_loss(model, items: list[Item], pad_id: int, normalizer: float):
+    """Bradley–Terry over every pair of every ranking in `items`. Returns (loss, RewardStats)."""
+    flat = [r for item in items for r in item]
+    b = collate_sft(flat, pad_id)  # (R, T) right-padded; each row ends at its reply's EOS
+    scores = last_token_scores(model, b.input_ids, b.attention_mask)  # (R,)
+    pairs = rankings_to_pairs([list(range(len(item))) for item in items])
+    return bradley_terry_loss(scores[pairs.chosen], scores[pairs.rejected], weights=pairs.weights, normalizer=normalizer)
+
+
+@torch.no_grad()
+def pair_accuracy(model, items: list[Item], kinds: list[str], pad_id: int, batch: int = 64) -> dict[str, float]:
+    """Held-out accuracy (r_chosen > r_rejected) overall and per kind; mean margin."""
+    model.eval()
+    right: list[bool] = []
+    margins: list[float] = []
+    for i in range(0, len(items), batch):
+        b = collate_sft([r for it in items[i : i + batch] for r in it], pad_id)
+        s = last_token_scores(model, b.input_ids, b.attention_mask).view(-1, 2)  # (P, 2) chosen, rejected
+        right += (s[:, 0] > s[:, 1]).tolist()
+        margins += (s[:, 0] - s[:, 1]).tolist()
+    model.train()
+    out = {"eval/accuracy": sum(right) / len(right), "eval/margin": sum(margins) / len(margins)}
+    for kind in sorted(set(kinds)):
+        hits = [r for r, k in zip(right, kinds) if k == kind]
+        out[f"eval/accuracy_{kind}"] = sum(hits) / len(hits)
+    return out
+
+
+@torch.no_grad()
+def normalize_and_agree(ctx: RunContext, cfg: RewardModelStage, model, step: int) -> tuple[RewardNormalization, dict[str, float]]:
+    """Score the start policy's samples: their mean/std normalize the reward; pairs of same-prompt
+    samples the gold judge tells apart measure the RM's agreement with it."""
+    tok, k = ctx.tokenizer, cfg.samples_per_prompt
+    problems = ctx.world.problems(max(1, cfg.norm_samples // k), seed_offset=17)
+    policy = load_model(ctx.start, device=ctx.device)
+    prompts = [encode_prompt(p["prompt"], tok) for p in problems]
+    params = SamplingParams(n=k, temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed)
+    with ctx.phase("generate", stage=cfg.folder, step=step) as ph:
+        r = make_engine("native", policy, tok).generate(prompts, params)
+        ph.cost = costs.decode(policy.config, batch=len(r), prompt_len=r.prompt_ids.shape[1], new_tokens=r.completion_ids.shape[1])
+    model.eval()
+    with ctx.phase("score", stage=cfg.folder, step=step,
+                   cost=costs.forward(model.config, batch=len(r), seq_len=r.sequence_ids.shape[1], logits="scalar")):
+        scores = last_token_scores(model, r.sequence_ids, r.sequence_mask, r.position_ids).cpu()  # (R,)
+    model.train()
+    gold = gold_rewards([fact_of(problems[i]) for i in r.prompt_index.tolist()], r.texts, r.finish_reason)
+    agree = total = 0
+    for p in range(len(problems)):
+        rows = range(p * k, p * k + k)
+        for a in rows:
+            for b in rows:
+                if a < b and gold[a] is not None and gold[b] is not None and gold[a] != gold[b]:
+                    total += 1
+                    agree += (scores[a] - scores[b]).item() * (gold[a] - gold[b]) > 0
+    mean, std = scores.mean().item(), scores.std().item()
+    policy_ref = str(ctx.start.relative_to(ctx.run_dir)) if ctx.start.is_relative_to(ctx.run_dir) else str(ctx.start)
+    norm = RewardNormalization(mean=mean, std=max(std, 1e-6), n=len(r), policy=policy_ref)
+    known = [g for g in gold if g is not None]
+    metrics = {"eval/gold_agreement": agree / total if total else float("nan"), "eval/gold_pairs": total,
+               "eval/score_mean_raw": mean, "eval/score_std_raw": std,
+               "eval/start_gold_reward": sum(known) / len(known) if known else float("nan")}
+    return norm, metrics
+
+
+def save_final(ctx: RunContext, cfg: RewardModelStage, t: Trainer, norm: RewardNormalization) -> Path:
+    """The final checkpoint with `reward_norm.json` inside it, published in one atomic rename."""
+
+    def write(tmp: Path) -> None:
+        save_model(t.model, ctx.tokenizer, tmp)
+        torch.save({"stage": cfg.folder, "step": t.step, "data": None, "rng": rng_state()}, tmp / STATE_FILE)
+        (tmp / SUMMARY_FILE).write_text(json.dumps({"step": t.step, "stage": cfg.folder, "final": True}, indent=2))
+        norm.save(tmp)
+
+    return publish(ctx.stage_dir(cfg.folder) / FINAL, write)
+
+
+def run_reward_model(cfg: RewardModelStage, ctx: RunContext) -> StageResult:
+    # ---- setup ---------------------------------------------------------------------------------
+    tok, seed = ctx.tokenizer, ctx.recipe.seed
+    loaded = [load_records(ctx.world, cfg.data, "preference", seed=seed)] if cfg.data else []
+    loaded += [load_records(ctx.world, cfg.rankings, "ranking", seed=seed)] if cfg.rankings else []
+    if not loaded:
+        raise ValueError(f"{cfg.folder}: no training data; give `data` (pairs) and/or `rankings`")
+    skipped = {reason: n for ld in loaded for reason, n in ld.skipped.items()}
+    for ld in loaded:
+        for line in ld.summaries:
+            ctx.console.print(f"{cfg.folder}: {line}")
+    train: list[Item] = [encode_ranking_like(r, tok, cfg.max_len, cfg.truncation) for ld in loaded for r in ld.records]
+    held = load_records(ctx.world, [DataSource(world="arithmetic", n=cfg.heldout)], "preference", seed=seed, seed_offset=1).records if cfg.heldout else []
+    val = [encode_ranking_like(r, tok, cfg.max_len, "left") for r in held]
+    kinds = [str(r.meta.get("kind", "all")) for r in held]
+    t = start_or_resume_scalar(ctx, cfg)
+    sampler = EpochSampler(len(train), cfg.batch_size, seed=seed)
+    if t.data_state is not None:
+        sampler.load_state_dict(t.data_state)
+    micro = cfg.batch_size // cfg.grad_accum
+    pairs_per_step = cfg.batch_size * sum(len(i) * (len(i) - 1) // 2 for i in train) / len(train)
+    ctx.console.print(
+        f"{cfg.folder}: {len(train):,} rankings/pairs ({sum(skipped.values())} skipped: {skipped or 'none'}); "
+        f"{cfg.batch_size} per step (≈{pairs_per_step:.0f} pairs) in {cfg.grad_accum} micro-batches; "
+        f"{sampler.batches_per_epoch} steps per epoch; {len(val)} held-out pairs")
+
+    # ---- loop ----------------------------------------------------------------------------------
+    metrics: dict[str, float] = {}
+    with ctx.progress() as bar:
+        task = bar.add_task(cfg.folder, total=cfg.steps, completed=t.step, info="")
+        while t.step < cfg.steps:
+            step, t0 = t.step + 1, time.perf_counter()
+            batch = [train[i] for i in sampler.next_batch()]
+            rows, seq_len = sum(len(i) for i in batch), max(len(r.input_ids) for i in batch for r in i)
+            with ctx.phase("update", stage=cfg.folder, step=step,
+                           cost=costs.train_step(t.model.config, batch=rows, seq_len=seq_len, logits="scalar")):
+                total, parts = 0.0, []
+                for i in range(0, len(batch), micro):
+                    with ctx.autocast():
+                        loss, stats = ranking_loss(t.model, batch[i : i + micro], tok.pad_token_id, normalizer=len(batch))
+                    loss.backward()
+                    total += loss.item()
+                    parts.append(stats.as_floats())
+                grad_norm = optimizer_step(t, cfg.optim)
+            metrics = {"loss/reward_model": total, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0],
+                       "train/sequences_per_s": rows / (time.perf_counter() - t0)}
+            metrics.update({f"train/{k}": sum(p[k] for p in parts) / len(parts) for k in parts[0]})
+            if val and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps):
+                with ctx.phase("eval", stage=cfg.folder, step=step):
+                    metrics.update(pair_accuracy(t.model, val, kinds, tok.pad_token_id))
+            if step == cfg.steps:
+                norm, agreement = normalize_and_agree(ctx, cfg, t.model, step)
+                metrics.update(agreement)
+            if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
+                ctx.log(cfg.folder, step, {**metrics, "data/skipped": float(sum(skipped.values()))})
+            bar.update(task, completed=step, info=f"loss {total:.3f}  acc {metrics['train/accuracy']:.2f}")
+            if step % cfg.save_every == 0 and step < cfg.steps:
+                save(ctx, cfg, t, data_state=sampler.state_dict())
+
+    # ---- save ----------------------------------------------------------------------------------
+    final = save_final(ctx, cfg, t, norm)
+    ctx.console.print(f"{cfg.folder}: reward model → {final}  (normalization: mean {norm.mean:.3f}, std {norm.std:.3f})")
+    summary = {k: v for k, v in metrics.items() if k.startswith(("loss/", "eval/"))}
+    return StageResult(ctx.start, {**summary, "data/skipped": float(sum(skipped.values()))})

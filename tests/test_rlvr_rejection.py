@@ -1,0 +1,146 @@
+"""The rejection_sampling stage (selection by hand, the SFT hand-off) and pass@k evals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.data import Problem, read_jsonl
+from posttrain.models import build_tiny
+from posttrain.pipeline import evals as evals_mod
+from posttrain.pipeline.config import (
+    EvalConfig,
+    Recipe,
+    RejectionSamplingStage,
+    SFTStage,
+)
+from posttrain.pipeline.context import RunContext
+from posttrain.pipeline.evals import pass_at_k_evals
+from posttrain.stages.rejection_sampling import (
+    output_path,
+    produced_paths,
+    run_rejection_sampling,
+    select,
+)
+from posttrain.stages.sft import run_sft
+from posttrain.telemetry import Telemetry
+
+PROBLEM = Problem(prompt="What is 2+3?", answer="5", level="L1")
+
+
+def test_select_best_prefers_reward_then_shorter():
+    texts = ["The result should be 5", "5", " 5 ", "4", "55555", "  "]
+    rewards = [0.8, 1.0, 1.0, 0.0, None, 0.0]
+    finish = ["stop", "stop", "stop", "stop", "stop", "stop"]
+    kept, counts = select(PROBLEM, texts, rewards, finish, keep="best", min_reward=0.5)
+    assert kept == [("5", 1.0)]  # two 1.0s, " 5 " is a whitespace duplicate of "5"
+    assert counts == {"truncated": 0, "empty": 1, "unjudged": 1, "below_min": 1, "duplicates": 1}
+
+
+def test_select_all_correct_drops_truncated_and_duplicates():
+    texts = ["<think>2+3=5</think> 5", "<think>2+3=5</think>  5", "5", "<think>2+3=5</think> 5 5 5"]
+    rewards = [1.0, 1.0, 1.0, 1.0]
+    finish = ["stop", "stop", "stop", "length"]
+    kept, counts = select(PROBLEM, texts, rewards, finish, keep="all_correct", min_reward=0.5)
+    # the second is the first with a doubled space; the last was cut by the budget
+    assert kept == [("<think>2+3=5</think> 5", 1.0), ("5", 1.0)]
+    assert counts["truncated"] == 1 and counts["duplicates"] == 1
+    # a tie on reward and length goes to the first sampled
+    kept, _ = select(PROBLEM, ["6", "5"], [1.0, 1.0], ["stop", "stop"], keep="best", min_reward=0.5)
+    assert kept == [("6", 1.0)]
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory, tokenizer) -> Path:
+    path = tmp_path_factory.mktemp("rs_policy")
+    model = build_tiny("tiny-1m", vocab_size=len(tokenizer), seed=0, max_seq_len=160,
+                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def log(self, record: dict) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+def test_rejection_sampling_writes_sft_data_an_sft_stage_reads(tmp_path, policy_dir, tokenizer, world):
+    # An untrained policy rarely answers right, so keep everything judged that ended its turn (min_reward 0):
+    # the test is about the hand-off, not the policy.
+    rs = RejectionSamplingStage(samples=4, batch_prompts=8, max_new_tokens=16, min_reward=0.0, keep="all_correct",
+                                data=[{"world": "arithmetic", "n": 16}])
+    sft = SFTStage(steps=2, batch_size=1, heldout=0, max_len=96, truncation="drop", log_every=1,
+                   data=[{"path": str(tmp_path / "data" / "rejection_sampling.jsonl")}])
+    recipe = Recipe(stages=[rs, sft], threads=1)
+    sink = ListSink()
+    ctx = RunContext(run_dir=tmp_path, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer, world=world,
+                     telemetry=Telemetry.disabled(), sink=sink, start=policy_dir)
+    result = run_rejection_sampling(rs, ctx)
+    out = output_path(rs, tmp_path)
+    assert out == tmp_path / "data" / "rejection_sampling.jsonl"
+    assert produced_paths(recipe, tmp_path) == {out.resolve(): 0}
+    assert (result.checkpoint / "model.safetensors").is_file()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    summary = [r for r in sink.records if "rs/rows" in r][-1]
+    assert len(rows) == summary["rs/rows"] > 0
+    pairs = [(json.dumps(r["messages"][:-1]), " ".join(r["messages"][-1]["content"].split())) for r in rows]
+    assert len(set(pairs)) == len(pairs)  # deduplicated
+    assert all(r["messages"][-1]["role"] == "assistant" and r["answer"] is not None for r in rows)
+    records = read_jsonl(out, "sft").records  # our schema
+    assert records[0].meta["level"] in ("L1", "L2", "L3", "L4")
+    # the hand-off: an SFT stage names the file as a `path` source and trains on it
+    ctx.start = result.checkpoint
+    done = run_sft(sft, ctx)
+    assert (done.checkpoint / "model.safetensors").is_file()
+    assert [r["step"] for r in sink.records if r["stage"] == "sft"] == [1, 2]
+
+
+# ---- pass@k evals ------------------------------------------------------------------------------
+class _FakeRollout:
+    def __init__(self, texts: list[str]):
+        self.texts = texts
+        self.finish_reason = ["stop"] * len(texts)
+
+
+class _ScriptedEngine:
+    """Answers problem j correctly in the first c_j of its n samples (prompts come in eval order)."""
+
+    def __init__(self, answers: list[int], correct: list[int]):
+        self.answers, self.correct, self.seen = answers, correct, 0
+
+    def generate(self, prompts, params):
+        texts = []
+        for _ in prompts:
+            j = self.seen
+            texts += [str(self.answers[j]) if s < self.correct[j] else str(self.answers[j] + 1) for s in range(params.n)]
+            self.seen += 1
+        return _FakeRollout(texts)
+
+
+def test_pass_at_k_evals_by_hand(world, tokenizer, monkeypatch):
+    problems = world.eval_problems("L2")[:3]
+    engine = _ScriptedEngine([int(p["answer"]) for p in problems], correct=[0, 1, 4])
+    monkeypatch.setattr(evals_mod, "make_engine", lambda *a, **k: engine)
+    cfg = EvalConfig(per_level=3, levels=["L2"], batch_size=8)  # 8 rows / 4 samples = 2 prompts per call
+    recs = pass_at_k_evals(torch.nn.Linear(1, 1), tokenizer, world, cfg, stage="grpo", checkpoint="c", samples=4, ks=(1, 2))
+    by = {(r.level, r.metric): r for r in recs}
+    # c = (0, 1, 4) of n = 4. pass@1 = mean(c/n) = (0 + 0.25 + 1)/3 = 0.41667
+    assert by[("L2", "pass@1")].value == pytest.approx(0.416667, abs=1e-5)
+    # pass@2: 1 − C(4−c, 2)/C(4, 2): c=0 → 0; c=1 → 1 − 3/6 = 0.5; c=4 → 1  → mean 0.5
+    assert by[("L2", "pass@2")].value == pytest.approx(0.5)
+    assert by[(None, "pass@2")].value == pytest.approx(0.5)  # the pooled row (one level here)
+    # stderr of (0, 0.5, 1): s = 0.5, / √3 = 0.288675
+    assert by[("L2", "pass@2")].stderr == pytest.approx(0.288675, abs=1e-5)
+    assert {r.eval for r in recs} == {"arithmetic@T1"} and all(r.n == 3 for r in recs)
+    with pytest.raises(ValueError, match="every k"):
+        pass_at_k_evals(torch.nn.Linear(1, 1), tokenizer, world, cfg, stage="s", checkpoint="c", samples=4, ks=(8,))

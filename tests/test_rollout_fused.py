@@ -1,0 +1,138 @@
+"""The fused decode step against its naive versions: the HF forward, the many-token forward, `mm`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from posttrain.models import build_tiny, train_tokenizer
+from posttrain.rollout import HFEngine, NativeEngine, SamplingParams
+from posttrain.rollout.fused import PROJECTION_KINDS, FusedDecoder, Projection, pair_halves, projection_kind
+from posttrain.rollout.kv_cache import KVCache
+
+
+@pytest.fixture(scope="module")
+def tok():
+    rng = random.Random(0)
+    texts = [f"{a} + {b} = {a + b}" for a, b in ((rng.randint(0, 999), rng.randint(0, 999)) for _ in range(300))]
+    return train_tokenizer(texts, vocab_size=512)
+
+
+def _cache(model, rows: int, capacity: int) -> KVCache:
+    cfg = model.config
+    return KVCache.allocate(layers=cfg.num_hidden_layers, rows=rows, kv_heads=cfg.num_key_value_heads,
+                            capacity=capacity, head_dim=cfg.hidden_size // cfg.num_attention_heads,
+                            dtype=torch.float32, device="cpu")
+
+
+def test_pair_halves_puts_each_rotary_pair_side_by_side():
+    # D = 6: HF rotates (0, 3), (1, 4), (2, 5) together → order 0, 3, 1, 4, 2, 5
+    assert pair_halves(6).tolist() == [0, 3, 1, 4, 2, 5]
+
+
+@pytest.mark.parametrize("kind, dtype", [("mkl", torch.float32), ("dnn", torch.float32), ("dnn", torch.bfloat16),
+                                         ("mv", torch.float32), ("mv", torch.bfloat16)])
+def test_every_projection_kind_computes_the_mm_product(kind, dtype):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 40, generator=g).to(dtype)                    # (in, out)
+    b = torch.randn(40, generator=g).to(dtype)
+    rows = 1 if kind == "mv" else 5
+    x = torch.randn(rows, 48, generator=g).to(dtype)
+    ref = Projection(w, b, "mm", rows)(x).float()
+    p = Projection(w, b, kind, rows)
+    # fp32: same products, another summation order → ~1e-6 on values of size ~10; bf16: one output rounding
+    # of values |y| ≲ 32 is ≤ 2^-8·32 = 0.125, and the two kernels may round on either side
+    tol = 1e-4 if dtype == torch.float32 else 0.25
+    assert (p(x).float() - ref).abs().max() <= tol
+    out = torch.empty(rows, 40, dtype=dtype)
+    p.into(x, out)
+    assert (out.float() - ref).abs().max() <= tol
+    h = torch.ones(rows, 40, dtype=dtype)
+    p.add_to(x, h)                                                     # h = 1 + x·W + b
+    assert (h.float() - (ref + 1)).abs().max() <= 2 * tol
+
+
+def test_mkl_projection_pads_fewer_rows_up_to_its_packing():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(32, 24, generator=g), torch.randn(8, 32, generator=g)
+    p = Projection(w, None, "mkl", 8)
+    assert torch.allclose(p(x[:3]), x[:3] @ w, atol=1e-5)            # 3 rows through a pack for 8
+    with pytest.raises(ValueError, match="packed for at most 8"):
+        p(torch.randn(9, 32))
+
+
+def test_projection_kind_picks_packing_only_for_large_cpu_weights():
+    cpu, big, small = torch.device("cpu"), 100 << 20, 1 << 20
+    assert projection_kind(torch.float32, 8, cpu, big) in ("mkl", "mm")      # mm only if this torch lacks MKL packing
+    assert projection_kind(torch.float32, 8, cpu, small) == "mm"
+    assert projection_kind(torch.float32, 1, cpu, big) == "mm"
+    assert projection_kind(torch.float32, 64, cpu, big) == "mm"
+    assert projection_kind(torch.bfloat16, 1, cpu, big) == "mv"
+    assert projection_kind(torch.float32, 8, torch.device("meta"), big) == "mm"
+    with pytest.raises(ValueError, match="kind='nt'"):
+        Projection(torch.zeros(2, 2), None, "nt", 1)
+
+
+@pytest.mark.parametrize("arch, preset, dtype, kind, rows", [
+    ("llama", "tiny-1m", torch.float32, "mm", 3),
+    ("llama", "tiny-1m", torch.float32, "mm", 130),   # 130 · 128 > 16384: the reduction form of the norm
+    ("llama", "tiny-4m", torch.float32, "mkl", 3),    # GQA (8 query heads over 4 KV heads)
+    ("qwen2", "tiny-1m", torch.float32, "mm", 3),     # Q/K/V biases: permuted with their rows
+    ("llama", "tiny-1m", torch.bfloat16, "dnn", 3),
+    ("llama", "tiny-1m", torch.bfloat16, "dnn", 130),
+    ("llama", "tiny-1m", torch.bfloat16, "mv", 1),
+])
+def test_decode_plan_equals_the_many_token_forward(tok, arch, preset, dtype, kind, rows):
+    """Prefill 5 tokens, then one token by the plan vs the same token by `FusedDecoder.__call__` (q = 1)."""
+    model = build_tiny(preset, vocab_size=len(tok), arch=arch, seed=0).eval().to(dtype)
+    dec = FusedDecoder(model, matmul=kind)
+    dec.prepare(16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, len(tok), (rows, 6), generator=g)
+    mask = torch.ones(rows, 6, dtype=torch.bool)
+    mask[0, :2] = False                                                # row 0: two left pads
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    key_mask = torch.cat([mask, torch.ones(rows, 4, dtype=torch.bool)], 1)  # (R, capacity 10)
+    with torch.inference_mode():
+        a, b = _cache(model, rows, 10), _cache(model, rows, 10)
+        dec(ids[:, :5], pos[:, :5], a, key_mask)
+        dec(ids[:, :5], pos[:, :5], b, key_mask)
+        ref = dec(ids[:, 5:], pos[:, 5:], a, key_mask)                 # the naive q = 1 step
+        got = dec.plan(b, key_mask)(ids[:, 5], pos[:, 5])
+    assert b.length == a.length == 6
+    # fp32: the same math in another op order → ≤ 1e-5 on logits of size ~1; bf16: both paths round the
+    # same bf16 activations but through different GEMM kernels → a few bf16 ulps of logits ≲ 4: ≤ 0.1
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    assert (got - ref).abs().max() <= tol
+    assert torch.allclose(a.keys[-1][:, :, :6], b.keys[-1][:, :, :6], atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_qwen2_with_biases_matches_generate_token_for_token(tok):
+    model = build_tiny("tiny-1m", vocab_size=len(tok), arch="qwen2", seed=0, pad_token_id=tok.pad_token_id,
+                       eos_token_id=tok.eos_token_id).eval()
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    with torch.no_grad():                                              # non-zero biases, so their order matters
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+    base = tok("12 + 345 = 357 and 9 + 8 = 17")["input_ids"]
+    prompts = [base[:4], base[2:9], base[1:6]]
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    ref = HFEngine(model, tok).generate(prompts, params)
+    ours = NativeEngine(model, tok, kernels="fused").generate(prompts, params)
+    assert torch.equal(ours.completion_ids, ref.completion_ids)
+    assert (ours.policy_logprobs - ref.policy_logprobs).abs().max() <= 1e-4
+
+
+def test_plan_rejects_a_cache_it_cannot_use(tok):
+    model = build_tiny("tiny-1m", vocab_size=len(tok), seed=0).eval()
+    dec = FusedDecoder(model)
+    dec.prepare(8, torch.device("cpu"))
+    cache = _cache(model, 2, 8)
+    with pytest.raises(ValueError, match=r"key_mask has shape \(2, 5\), expected \(2, 8\)"):
+        dec.plan(cache, torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="matmul='nt'"):
+        FusedDecoder(model, matmul="nt")
+    assert "mm" in PROJECTION_KINDS
