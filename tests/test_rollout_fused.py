@@ -9,7 +9,13 @@ import torch
 
 from posttrain.models import build_tiny, train_tokenizer
 from posttrain.rollout import HFEngine, NativeEngine, SamplingParams
-from posttrain.rollout.fused import PROJECTION_KINDS, FusedDecoder, Projection, pair_halves, projection_kind
+from posttrain.rollout.fused import (
+    PROJECTION_KINDS,
+    FusedDecoder,
+    Projection,
+    pair_halves,
+    projection_kind,
+)
 from posttrain.rollout.kv_cache import KVCache
 
 

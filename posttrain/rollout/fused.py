@@ -412,7 +412,7 @@ class DecodePlan:
         self.dec, self.cache, self.rows, self.kind = dec, cache, rows, kind
         self.layers, self.lm_head = w.projections(kind, rows)
         group, nqkv = hq // hkv, (hq + 2 * hkv) * d
-        empty = lambda *shape, dtype=dt: torch.empty(shape, dtype=dtype, device=dev)  # noqa: E731
+        empty = lambda *shape, dtype=dt: torch.empty(shape, dtype=dtype, device=dev)
         self.h = empty(rows, hidden)                                       # residual stream, updated in place
         self.h32 = self.h if dt == f32 else empty(rows, hidden, dtype=f32)
         self.x = empty(rows, hidden)                                       # normalised input of a matmul
@@ -429,7 +429,7 @@ class DecodePlan:
         self.gu = empty(rows, 2 * inter)
         self.act = empty(rows, inter)
         # views, built once
-        as_c = lambda t, *shape: torch.view_as_complex(t.view(*shape, d // 2, 2))  # noqa: E731
+        as_c = lambda t, *shape: torch.view_as_complex(t.view(*shape, d // 2, 2))
         self.q_c = as_c(self.qkv32[:, : hq * d], rows, hq)                 # (R, Hq, D/2) complex
         self.k_c = as_c(self.qkv32[:, hq * d: (hq + hkv) * d], rows, hkv)  # (R, Hkv, D/2) complex
         self.v = self.qkv32[:, (hq + hkv) * d:].view(rows, hkv, d)         # (R, Hkv, D)
