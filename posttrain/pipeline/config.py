@@ -176,17 +176,13 @@ class RewardModelStage(TrainStage):
     samples_per_prompt: int = Field(4, ge=2, description="start-policy samples per prompt in the gold-agreement check")
     max_new_tokens: int = Field(48, gt=0, description="answer budget of those samples")
 
-    def data_files(self) -> list[tuple[Path, str]]:
-        """(JSONL path, record kind) of every file source, for validation before the run starts."""
-        return [(s.path, "preference") for s in self.data if s.path] + [(s.path, "ranking") for s in self.rankings if s.path]
-
 
 class DPOStage(TrainStage):
     """The DPO family: offline preference optimization against the start policy (docs/preference.md)."""
 
     stage: Literal["dpo"] = "dpo"
     loss: Literal["dpo", "ipo", "kto", "orpo", "simpo"] = Field("dpo", description="objective (posttrain.losses.preference)")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-5, warmup_steps=10), description="AdamW; DPO wants a small lr (at 1e-4 the demo's chosen log-probs collapse: likelihood displacement)")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-5, warmup_steps=10), description="AdamW; DPO wants a small lr (at 1e-4 and β 0.1 the chosen log-probs collapse: likelihood displacement)")
     beta: float = Field(0.1, gt=0, description="β: DPO/KTO/IPO(τ) inverse temperature; ORPO's λ; SimPO's reward scale")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="DPO only: conservative-DPO label noise ε")
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO only: target reward margin γ")
@@ -203,17 +199,13 @@ class DPOStage(TrainStage):
     eval_temperature: float = Field(1.0, ge=0, description="sampling temperature of the head-to-head (0 = greedy)")
     max_new_tokens: int = Field(48, gt=0, description="answer budget in the head-to-head")
 
-    def data_files(self) -> list[tuple[Path, str]]:
-        """(JSONL path, record kind) of every file source, for validation before the run starts."""
-        return [(s.path, "unpaired" if self.loss == "kto" else "preference") for s in self.data if s.path]
-
 
 class PPOStage(TrainStage):
     """PPO-RLHF against a reward model under a KL penalty to the start policy (docs/preference.md)."""
 
     stage: Literal["ppo"] = "ppo"
     reward_model: str = Field("reward_model", description="the reward_model stage's folder in this run, or a path to a reward-model checkpoint")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=1.0), description="the policy's AdamW (the schedule counts iterations)")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-5, warmup_steps=5, min_lr_ratio=1.0), description="the policy's AdamW (the schedule counts iterations); larger lr games the reward model sooner")
     data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=20_000)], description="prompts (world problems, or JSONL in the `problem` schema)")
     levels: list[str] | None = Field(None, description="world levels to draw prompts from (None: the world's level mix)")
     batch_size: int = Field(64, gt=0, description="rollouts (one per prompt) per PPO iteration; `steps` counts iterations")
@@ -235,10 +227,6 @@ class PPOStage(TrainStage):
     eval_per_level: int = Field(50, ge=0, description="held-out problems per level for the gold comparison with the start policy (0 = off)")
     eval_samples: int = Field(2, gt=0, description="sampled responses per problem and model in that comparison")
     eval_temperature: float = Field(1.0, ge=0, description="sampling temperature of that comparison (0 = greedy)")
-
-    def data_files(self) -> list[tuple[Path, str]]:
-        """(JSONL path, record kind) of every file source, for validation before the run starts."""
-        return [(s.path, "problem") for s in self.data if s.path]
 
     @model_validator(mode="after")
     def _minibatches_divide(self) -> PPOStage:
