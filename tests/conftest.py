@@ -25,6 +25,32 @@ def tokenizer(world):
     return train_tokenizer(texts, vocab_size=512)
 
 
+class ListSink:
+    """A metric sink that keeps records in memory (for stage tests that inspect what was logged)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def log(self, record: dict) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory, tokenizer):
+    """A randomly initialised tiny-1m policy saved as an HF folder with the tokenizer."""
+    from posttrain.models import build_tiny
+
+    path = tmp_path_factory.mktemp("policy")
+    model = build_tiny("tiny-1m", vocab_size=len(tokenizer), seed=0, max_seq_len=160,
+                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def tiny_recipe_dict(**over) -> dict:
     """A recipe small enough for tests: seconds per stage on 2 cores."""
     d = {

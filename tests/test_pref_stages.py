@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.models import build_tiny
 from posttrain.models.heads import RewardNormalization, load_scalar_model
 from posttrain.pipeline.config import DPOStage, PPOStage, Recipe, RewardModelStage
 from posttrain.pipeline.context import RunContext
@@ -22,6 +21,7 @@ from posttrain.stages.dpo import run_dpo
 from posttrain.stages.ppo import run_ppo
 from posttrain.stages.reward_model import run_reward_model
 from posttrain.telemetry import Telemetry
+from conftest import ListSink
 
 FAST = {"lr": 3e-3, "warmup_steps": 1, "min_lr_ratio": 1.0}
 
@@ -33,28 +33,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def log(self, record: dict) -> None:
-        self.records.append(record)
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, tokenizer) -> Path:
-    """A randomly initialised tiny-1m policy saved as an HF folder with the tokenizer."""
-    path = tmp_path_factory.mktemp("policy")
-    model = build_tiny("tiny-1m", vocab_size=len(tokenizer), seed=0, max_seq_len=160,
-                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def make_ctx(run_dir: Path, start: Path, tokenizer, world, stage) -> tuple[RunContext, ListSink]:

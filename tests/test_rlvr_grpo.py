@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from posttrain.data import EpochSampler, encode_prompt
 from posttrain.losses import AGGREGATIONS, loss_normalizer, token_logprobs
-from posttrain.models import build_tiny, load_model
+from posttrain.models import load_model
 from posttrain.pipeline.config import GRPOStage, Recipe
 from posttrain.pipeline.context import RunContext
 from posttrain.rewards import WeightedVerifier
@@ -34,27 +34,7 @@ from posttrain.stages.grpo import (
     run_grpo,
 )
 from posttrain.telemetry import Telemetry
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def log(self, record: dict) -> None:
-        self.records.append(record)
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, tokenizer) -> Path:
-    path = tmp_path_factory.mktemp("rlvr_policy")
-    model = build_tiny("tiny-1m", vocab_size=len(tokenizer), seed=0, max_seq_len=160,
-                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+from conftest import ListSink
 
 
 def make_ctx(run_dir: Path, start: Path, tokenizer, world, stage) -> tuple[RunContext, ListSink]:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from posttrain.data import Problem, read_jsonl
-from posttrain.models import build_tiny
 from posttrain.pipeline import evals as evals_mod
 from posttrain.pipeline.config import (
     EvalConfig,
@@ -27,6 +25,7 @@ from posttrain.stages.rejection_sampling import (
 )
 from posttrain.stages.sft import run_sft
 from posttrain.telemetry import Telemetry
+from conftest import ListSink
 
 PROBLEM = Problem(prompt="What is 2+3?", answer="5", level="L1")
 
@@ -51,27 +50,6 @@ def test_select_all_correct_drops_truncated_and_duplicates():
     # a tie on reward and length goes to the first sampled
     kept, _ = select(PROBLEM, ["6", "5"], [1.0, 1.0], ["stop", "stop"], keep="best", min_reward=0.5)
     assert kept == [("6", 1.0)]
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, tokenizer) -> Path:
-    path = tmp_path_factory.mktemp("rs_policy")
-    model = build_tiny("tiny-1m", vocab_size=len(tokenizer), seed=0, max_seq_len=160,
-                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def log(self, record: dict) -> None:
-        self.records.append(record)
-
-    def close(self) -> None:
-        pass
 
 
 def test_rejection_sampling_writes_sft_data_an_sft_stage_reads(tmp_path, policy_dir, tokenizer, world):

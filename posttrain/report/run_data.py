@@ -18,6 +18,7 @@ import yaml
 
 from posttrain.telemetry.devices import Peaks
 from posttrain.telemetry.phases import PhaseRecord, read_phases
+from posttrain.telemetry.sinks import read_jsonl_records
 
 BASE = "base"  # the checkpoint before the first post-training stage (posttrain.pipeline.run.BASE)
 
@@ -74,21 +75,10 @@ class RunData:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Objects of a JSON Lines file; a cut last line is dropped, any other bad line is an error."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break  # the line a killed run was writing
-            raise ReportError(f"{path}:{i + 1}: not valid JSON: {line[:80]!r}") from None
-        if not isinstance(obj, dict):
-            raise ReportError(f"{path}:{i + 1}: expected a JSON object, got {type(obj).__name__}")
-        out.append(obj)
-    return out
+    try:
+        return [obj for _, obj in read_jsonl_records(path)]
+    except ValueError as e:
+        raise ReportError(str(e)) from None
 
 
 def _recipe_stages(recipe: dict[str, Any]) -> list[StageInfo]:

@@ -31,7 +31,7 @@ from posttrain.telemetry.busy import BusySampler, BusySource, source_for
 from posttrain.telemetry.costs import Cost, dtype_name
 from posttrain.telemetry.devices import Peaks, detect, missing_peaks_message
 from posttrain.telemetry.roofline import OVERHEAD_BELOW, place
-from posttrain.telemetry.sinks import JsonlSink
+from posttrain.telemetry.sinks import JsonlSink, read_jsonl_records
 
 STANDARD_PHASES = ("generate", "score", "reference", "update", "sync", "eval")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -68,20 +68,7 @@ class PhaseRecord:
 
 def read_phases(path: str | Path) -> list[PhaseRecord]:
     """Read phases.jsonl, tolerating a truncated last line (a killed run) and nothing else."""
-    path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break  # the line a killed run was writing
-            raise ValueError(f"{path}:{i + 1}: not valid JSON: {line[:80]!r}") from None
-        records.append(PhaseRecord.from_json(obj, where=f"{path}:{i + 1}"))
-    return records
+    return [PhaseRecord.from_json(obj, where=f"{path}:{line}") for line, obj in read_jsonl_records(path)]
 
 
 @dataclass

@@ -105,3 +105,26 @@ class MultiSink:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def read_jsonl_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """(1-based line, object) of a run's JSON Lines stream, as `JsonlSink` writes it.
+
+    A truncated last line (the one a killed run was writing) is dropped; any other bad line is a
+    ValueError naming `path:line`."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break  # the line a killed run was writing
+            raise ValueError(f"{path}:{i + 1}: not valid JSON: {line[:80]!r}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{i + 1}: expected a JSON object, got {type(obj).__name__}")
+        out.append((i + 1, obj))
+    return out
