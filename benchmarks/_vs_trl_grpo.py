@@ -11,9 +11,11 @@ runs in its own subprocess so peak memory (max RSS) is its own; a step's time is
 optimizer step's end to the next, and the process CPU time over the same span (the number to read
 when other jobs share the cores, best with --threads 1), the first (warm-up) step dropped, medians.
 
-TRL runs twice: with its CPU defaults (GRPOConfig: bf16 autocast where supported, gradient
-checkpointing on) and in plain fp32 without checkpointing, which matches our side. Each side's
-settings are printed. `bench_grpo()` is what `benchmarks/vs_trl.py` calls.
+Five sides, each in its own subprocess: ours in fp32 and in bf16 (autocast over fp32 master weights
+for the update, rollouts from bf16 weight copies); TRL with its CPU defaults (GRPOConfig: bf16
+autocast where supported, gradient checkpointing on), in plain fp32 without checkpointing, and in
+bf16 autocast without checkpointing. Each of ours is compared with TRL at the same precision and
+with TRL's defaults; every side's settings are printed. `bench_grpo()` is what `benchmarks/vs_trl.py` calls.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ import time
 from pathlib import Path
 
 G, SEQS, COMPLETION, LR = 8, 16, 32, 1e-6
+TRL_MODES = {"defaults": "CPU defaults", "fp32": "plain fp32", "bf16": "bf16 autocast, no checkpointing"}
+SIDES = ("posttrain-fp32", "posttrain-bf16", "trl-defaults", "trl-fp32", "trl-bf16")
+# each of ours against the TRL configurations it is compared with (same precision; TRL's defaults are bf16)
+PAIRS = {"posttrain-fp32": ("trl-fp32", "trl-defaults"), "posttrain-bf16": ("trl-bf16", "trl-defaults")}
 
 
 def _rss_mib() -> float:
@@ -57,7 +63,7 @@ def prepare(folder: Path, *, problems: int = 512) -> tuple[Path, Path]:
 
 
 # ---- our side --------------------------------------------------------------------------------------
-def run_ours(model_dir: Path, data: Path, steps: int, threads: int) -> dict:
+def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: bool) -> dict:
     import torch
     from rich.console import Console
 
@@ -73,7 +79,8 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int) -> dict:
              "temperature": 1.0, "kl_coef": 0.0, "loss": "dapo", "mu": 1, "rewards": [{"name": "gold"}],
              "data": [{"path": str(data)}], "log_every": 1, "save_every": steps + 1,
              "optim": {"lr": LR, "warmup_steps": 0, "min_lr_ratio": 1.0}}
-    recipe = Recipe.model_validate({"name": "bench", "threads": threads, "stages": [stage]})
+    recipe = Recipe.model_validate({"name": "bench", "threads": threads, "dtype": "bf16" if bf16 else "fp32",
+                                    "stages": [stage]})
     records: list[dict] = []
     cpu: list[float] = []
 
@@ -93,17 +100,19 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int) -> dict:
         run_grpo(recipe.stages[0], ctx)
     times = [r["train/seconds_per_rollout"] for r in records][1:]
     cpu_times = [b - a for a, b in itertools.pairwise(cpu)]  # from the end of step 1: warm-up dropped
-    settings = ("posttrain grpo stage: fp32, no activation checkpointing, native rollout engine (KV cache, fused "
-                f"Llama kernels), loss dapo (token mean, clip 0.8–1.28), G={G}, {SEQS} seq/step, ≤{COMPLETION} new "
+    precision = ("bf16 autocast over fp32 master weights, rollout from bf16 weight copies (fp32 attention/KV cache)"
+                 if bf16 else "fp32")
+    settings = (f"posttrain grpo stage: {precision}, no activation checkpointing, native rollout engine (KV cache, "
+                f"fused Llama kernels), loss dapo (token mean, clip 0.8–1.28), G={G}, {SEQS} seq/step, ≤{COMPLETION} new "
                 f"tokens, T=1, kl_coef 0, μ=1, grad_accum 1, AdamW lr {LR}, {threads} threads")
-    return {"side": "posttrain", "settings": settings, "s_per_step": statistics.median(times),
+    return {"side": "posttrain-bf16" if bf16 else "posttrain-fp32", "settings": settings, "s_per_step": statistics.median(times),
             "cpu_s_per_step": statistics.median(cpu_times), "steps": len(times),
             "peak_rss_mib": _rss_mib(), "rss_after_setup_mib": base,
             "completion_tokens_mean": statistics.mean(r["response/length_mean"] for r in records)}
 
 
 # ---- TRL -------------------------------------------------------------------------------------------
-def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, defaults: bool) -> dict:
+def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, mode: str) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -132,7 +141,8 @@ def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, defaults: 
             if logs and "completions/mean_length" in logs:
                 lengths.append(logs["completions/mean_length"])
 
-    extra = {} if defaults else {"bf16": False, "gradient_checkpointing": False}
+    extra = {"defaults": {}, "fp32": {"bf16": False, "gradient_checkpointing": False},
+             "bf16": {"bf16": True, "gradient_checkpointing": False}}[mode]
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(output_dir=out, per_device_train_batch_size=SEQS, num_generations=G,
                           max_completion_length=COMPLETION, temperature=1.0, beta=0.0, num_iterations=1,
@@ -149,12 +159,12 @@ def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, defaults: 
     ends = [start] + stamps
     times = [b - a for a, b in itertools.pairwise(ends)][1:]
     a = trainer.args
-    settings = (f"TRL {__import__('trl').__version__} GRPOTrainer ({'CPU defaults' if defaults else 'plain fp32'}): "
+    settings = (f"TRL {__import__('trl').__version__} GRPOTrainer ({TRL_MODES[mode]}): "
                 f"bf16={a.bf16}, gradient_checkpointing={a.gradient_checkpointing}, loss {a.loss_type}, "
                 f"G={a.num_generations}, {a.per_device_train_batch_size} seq/step, ≤{a.max_completion_length} new tokens, "
                 f"T={a.temperature}, beta {a.beta}, num_iterations {a.num_iterations}, "
                 f"transformers generate, AdamW lr {a.learning_rate}, {threads} threads")
-    return {"side": "trl-defaults" if defaults else "trl-fp32", "settings": settings,
+    return {"side": f"trl-{mode}", "settings": settings,
             "s_per_step": statistics.median(times),
             "cpu_s_per_step": statistics.median(b - a for a, b in itertools.pairwise(cpu)),
             "steps": len(times), "peak_rss_mib": _rss_mib(),
@@ -171,21 +181,23 @@ def _side(side: str, model_dir: Path, data: Path, steps: int, threads: int) -> d
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def bench_grpo(steps: int = 6, threads: int = 2) -> dict:
-    """Run the three sides, print settings, s/step, peak memory and the speed-ups; return the numbers."""
+def bench_grpo(steps: int = 6, threads: int = 2, sides: tuple[str, ...] = SIDES) -> dict:
+    """Run the sides, print settings, s/step, peak memory and the speed-ups; return the numbers."""
     with tempfile.TemporaryDirectory() as folder:
         model_dir, data = prepare(Path(folder))
-        results = {s: _side(s, model_dir, data, steps, threads) for s in ("posttrain", "trl-defaults", "trl-fp32")}
+        results = {s: _side(s, model_dir, data, steps, threads) for s in sides}
     print(f"\nGRPO step, tiny-30m, G={G}, {SEQS} sequences/step, ≤{COMPLETION} completion tokens, KL 0 "
           f"(median of {steps} steps after 1 warm-up; {threads} threads)")
     for r in results.values():
-        print(f"  {r['side']:<13} {r['s_per_step']:6.3f} s/step wall, {r['cpu_s_per_step']:6.3f} s/step CPU   peak RSS {r['peak_rss_mib']:7.0f} MiB "
+        print(f"  {r['side']:<15} {r['s_per_step']:6.3f} s/step wall, {r['cpu_s_per_step']:6.3f} s/step CPU   peak RSS {r['peak_rss_mib']:7.0f} MiB "
               f"(after setup {r['rss_after_setup_mib']:.0f})   mean completion {r['completion_tokens_mean']:.1f} tokens")
         print(f"      {r['settings']}")
-    ours, ours_cpu = results["posttrain"]["s_per_step"], results["posttrain"]["cpu_s_per_step"]
-    for side in ("trl-defaults", "trl-fp32"):
-        print(f"  speed-up vs {side}: {results[side]['s_per_step'] / ours:.2f}× wall, "
-              f"{results[side]['cpu_s_per_step'] / ours_cpu:.2f}× CPU time   (target ≥ 2.5×)")
+    for ours, theirs in PAIRS.items():
+        for side in theirs:
+            if ours in results and side in results:
+                a, b = results[ours], results[side]
+                print(f"  {ours} vs {side}: {b['s_per_step'] / a['s_per_step']:.2f}× wall, "
+                      f"{b['cpu_s_per_step'] / a['cpu_s_per_step']:.2f}× CPU time   (target ≥ 2.5×)")
     return results
 
 
@@ -193,20 +205,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--side", choices=["posttrain", "trl-defaults", "trl-fp32"])
+    ap.add_argument("--side", choices=SIDES, help="run one side in this process (the driver's subprocess)")
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="the sides to run")
     ap.add_argument("--model", type=Path)
     ap.add_argument("--data", type=Path)
     a = ap.parse_args()
     if a.side is None:
-        bench_grpo(a.steps, a.threads)
+        bench_grpo(a.steps, a.threads, tuple(a.sides))
         return
     import os
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if a.side == "posttrain":
-        r = run_ours(a.model, a.data, a.steps, a.threads)
+    if a.side.startswith("posttrain"):
+        r = run_ours(a.model, a.data, a.steps, a.threads, bf16=a.side == "posttrain-bf16")
     else:
-        r = run_trl(a.model, a.data, a.steps, a.threads, defaults=a.side == "trl-defaults")
+        r = run_trl(a.model, a.data, a.steps, a.threads, mode=a.side.removeprefix("trl-"))
     print(json.dumps(r))
 
 

@@ -25,11 +25,12 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def setup(tokenizer, world):
+@pytest.fixture(scope="module", params=["sdpa", "eager"])  # "auto" picks eager on a CPU for short contexts
+def setup(request, tokenizer, world):
     torch.manual_seed(0)
     model = build_tiny("tiny-1m", vocab_size=len(tokenizer), seed=0, pad_token_id=tokenizer.pad_token_id,
                        eos_token_id=tokenizer.eos_token_id)
+    model.set_attn_implementation(request.param)
     pairs = [encode_preference(parse_record(r, "preference"), tokenizer, 160) for r in world.preference_split(12)]
     return model, pairs, tokenizer.pad_token_id
 

@@ -221,7 +221,24 @@ def test_weight_updates_are_seen_by_the_fused_copies(tok):
     with torch.no_grad():  # an "optimizer step": in-place change of every parameter
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    engine.update_weights(model)  # a no-op for a shared module; the version counters do the work
+    after = engine.generate(prompts, params)  # the version counters moved: rebuilt without being told
+    ref = HFEngine(model, tok).generate(prompts, params)
+    assert not torch.equal(before.completion_ids, after.completion_ids)
+    assert torch.equal(after.completion_ids, ref.completion_ids)
+
+
+def test_update_weights_after_a_fused_optimizer_step(tok):
+    """`AdamW(fused=True)` writes parameters without moving their version counters; `update_weights`
+    (which the RL stages call after every optimizer step) makes the next rollout sample the new policy."""
+    model = _model(tok, "tiny-1m")
+    engine = NativeEngine(model, tok, kernels="fused")
+    prompts, params = prompts_of(tok, 3), SamplingParams(temperature=0, max_new_tokens=8)
+    before = engine.generate(prompts, params)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    engine.update_weights(model)
     after = engine.generate(prompts, params)
     ref = HFEngine(model, tok).generate(prompts, params)
     assert not torch.equal(before.completion_ids, after.completion_ids)

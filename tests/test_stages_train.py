@@ -80,3 +80,23 @@ def test_run_folder_contract(tiny_run):
     assert {(e["stage"], e["level"], e["metric"]) for e in evals} >= {("sft", "L1", "format"), ("sft", "L2", "exact_match")}
     m = _metrics(tiny_run, "sft")
     assert any("phase/update/flops_per_s" in r for r in m)
+
+
+def test_a_loaded_start_is_evaluated_before_the_first_stage(tiny_run, tmp_path):
+    """A run from a model folder records the start's evals as stage "base" (the "before" of its gains),
+    equal to the previous run's evals of that same checkpoint."""
+    from posttrain.report import write_report
+
+    start = tiny_run / "checkpoints" / "sft" / "final"
+    d = tiny_recipe_dict(model={"init": str(start)})
+    d["stages"] = [d["stages"][1]]
+    d["stages"][0]["steps"] = 2
+    out = tmp_path / "from-sft"
+    run_pipeline(Recipe.model_validate(d), out)
+    evals = [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
+    assert [e["stage"] for e in evals[:1]] == ["base"] and {e["stage"] for e in evals} == {"base", "sft"}
+    earlier = {(e["level"], e["metric"]): e["value"] for e in map(json.loads, (tiny_run / "evals.jsonl").read_text().splitlines())
+               if e["stage"] == "sft"}
+    base = {(e["level"], e["metric"]): e["value"] for e in evals if e["stage"] == "base"}
+    assert base == earlier
+    write_report(out)  # a base stage with evals and an eval phase but no training renders

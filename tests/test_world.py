@@ -100,3 +100,25 @@ def test_export_writes_every_split_in_the_documented_schemas(tmp_path, world):
     assert read_jsonl(paths["problems"], "problem").report.records == 20
     first = json.loads(paths["eval_L2"].read_text().splitlines()[0])
     assert set(first) >= {"prompt", "answer", "level"}
+
+
+def test_a_larger_eval_extends_the_default_one():
+    small, large = ArithmeticWorld(seed=0), ArithmeticWorld(seed=0, eval_per_level=1000)
+    sizes = {lv: len(v) for lv, v in large.eval_facts.items()}
+    assert sizes == {"L1": 63, "L2": 1000, "L3": 1000, "L4": 180}  # L1/L4 hold out a quarter at most
+    for lv in small.eval_facts:
+        assert large.eval_problems(lv)[:len(small.eval_facts[lv])] == small.eval_problems(lv)
+        assert len(set(large.eval_facts[lv])) == len(large.eval_facts[lv])
+    # the extra problems are held out of training too
+    drawn = {f for r in large.problems(3000, levels=["L2", "L3"]) for f in [Fact(r["a"], r["op"], r["b"])]}
+    assert not drawn & set(large.eval_facts["L2"] + large.eval_facts["L3"])
+
+
+def test_drawn_records_every_training_problem():
+    w = ArithmeticWorld(seed=0)
+    rows = w.problems(500)
+    assert {Fact(r["a"], r["op"], r["b"]) for r in rows} == w.drawn
+    before = set(w.drawn)
+    w.sft_split(50)
+    assert len(w.drawn - before) > 0
+    assert not w.drawn & {f for facts in w.eval_facts.values() for f in facts}

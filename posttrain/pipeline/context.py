@@ -52,6 +52,24 @@ class RunContext:
             return torch.autocast(self.device.type, enabled=False)
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
+    def load_model(self, path: Path):
+        """A checkpoint of this run on its device, with the recipe's attention kernels."""
+        from posttrain.models import load_model
+
+        return load_model(path, device=self.device, attention=self.recipe.model.attention)
+
+    def rollout_engine(self, model: torch.nn.Module, backend: str = "native"):
+        """The stage's sampler for `model`. In a bf16 run the native engine samples from bf16 copies of
+        the fp32 master weights (refreshed after every update; attention and the KV cache stay fp32)
+        where its fused kernels support the architecture, as the update's autocast computes in bf16."""
+        from posttrain.rollout import make_engine
+        from posttrain.rollout.fused import fused_unsupported_reason
+
+        options = {}
+        if backend == "native" and self.amp_dtype is not None and fused_unsupported_reason(model) is None:
+            options["dtype"] = self.amp_dtype
+        return make_engine(backend, model, self.tokenizer, **options)
+
     @contextmanager
     def phase(self, name: str, *, stage: str, step: int, cost: Cost | None = None) -> Iterator[Any]:
         with self.telemetry.phase(name, stage=stage, step=step, cost=cost) as p:

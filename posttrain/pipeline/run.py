@@ -100,6 +100,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def make_world(recipe: Recipe) -> ArithmeticWorld:
+    """The recipe's arithmetic world. It holds out at least `eval.per_level` problems per level (the
+    world's default 200, or more where the recipe asks for a larger eval and the level has them:
+    L2 and L3 are sampled from thousands), and every training split excludes them."""
+    return ArithmeticWorld(seed=recipe.world_seed,
+                           eval_per_level=max(ArithmeticWorld.eval_per_level, recipe.eval.per_level))
+
+
 def make_base(recipe: Recipe, world: ArithmeticWorld, console: Console):
     """The initial (model, tokenizer), in memory: a tiny model with a tokenizer trained on the world,
     or the user's model folder."""
@@ -144,11 +152,15 @@ def truncate_after(path: Path, keep: Callable[[dict], bool]) -> None:
 
 
 def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: bool = False,
-                 console: Console | None = None) -> list[EvalRecord]:
+                 console: Console | None = None, world: ArithmeticWorld | None = None) -> list[EvalRecord]:
+    """Run the recipe's stages into `run_dir`, evaluating after each; returns every eval record.
+
+    `world`: the arithmetic world to use instead of `make_world(recipe)` (e.g. one whose `drawn` set
+    the caller reads afterwards to check an eval set against everything the run trained on)."""
     console = console or Console()
     check_model_init(recipe)
     seed_everything(recipe.seed)
-    world = ArithmeticWorld(seed=recipe.world_seed)
+    world = world or make_world(recipe)
     base_done = final_checkpoint(run_dir / "checkpoints" / BASE) if resume else None
     if base_done is not None:
         start, tokenizer = base_done, load_tokenizer(base_done)
@@ -183,7 +195,27 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
     sink = JsonlSink(run_dir / "metrics.jsonl")
     evals_path = run_dir / "evals.jsonl"
     records: list[EvalRecord] = []
+
+    def evaluate(stage: str, checkpoint: Path, steps: int) -> None:
+        # Between-stage evals are decode work: each generation batch is an `eval` phase with its cost.
+        model = load_model(checkpoint, device=device)
+        where = str(checkpoint.relative_to(run_dir))
+        stage_records = arithmetic_evals(model, tokenizer, world, recipe.eval, stage=stage, checkpoint=where,
+                                         phase=lambda: telemetry.phase("eval", stage=stage, step=steps))
+        if recipe.eval.pass_k_samples:
+            stage_records += pass_at_k_evals(model, tokenizer, world, recipe.eval, stage=stage, checkpoint=where,
+                                             samples=recipe.eval.pass_k_samples, ks=(1, recipe.eval.pass_k_samples),
+                                             temperature=recipe.eval.pass_k_temperature)
+        with evals_path.open("a") as f:
+            for r in as_json(stage_records):
+                f.write(json.dumps(r) + "\n")
+        records.extend(stage_records)
+
     try:
+        # A loaded model is evaluated before the first stage: the "before" of every gain the run reports
+        # (a model built from scratch is random and is not).
+        if recipe.model.init not in PRESETS and not any(r.stage == BASE for r in read_evals(evals_path)):
+            evaluate(BASE, start, 0)
         for index, stage in enumerate(recipe.stages):
             ctx = RunContext(run_dir=run_dir, recipe=recipe, device=device, tokenizer=tokenizer, world=world,
                              telemetry=telemetry, sink=sink, start=start, console=console, t0=t0)
@@ -198,20 +230,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
             seed_everything(recipe.seed + 1000 * (index + 1))
             result = STAGES[stage.stage](stage, ctx)
             start = result.checkpoint
-            # Between-stage evals are decode work: each generation batch is an `eval` phase with its cost.
-            model = load_model(start, device=device)
-            stage_records = arithmetic_evals(
-                model, tokenizer, world, recipe.eval, stage=stage.folder, checkpoint=str(start.relative_to(run_dir)),
-                phase=lambda s=stage.folder, k=stage.steps: telemetry.phase("eval", stage=s, step=k))
-            if recipe.eval.pass_k_samples:
-                stage_records += pass_at_k_evals(
-                    model, tokenizer, world, recipe.eval, stage=stage.folder, checkpoint=str(start.relative_to(run_dir)),
-                    samples=recipe.eval.pass_k_samples, ks=(1, recipe.eval.pass_k_samples),
-                    temperature=recipe.eval.pass_k_temperature)
-            with evals_path.open("a") as f:
-                for r in as_json(stage_records):
-                    f.write(json.dumps(r) + "\n")
-            records += stage_records
+            evaluate(stage.folder, start, stage.steps)
     finally:
         sink.close()
         telemetry.close()

@@ -2,7 +2,7 @@
 
     engine = make_engine("native" | "hf" | "vllm", model, tokenizer)
     rollout = engine.generate(prompts, SamplingParams(n=8, temperature=1.0, max_new_tokens=64))
-    engine.update_weights(model)   # after each policy update (a no-op when the module is shared)
+    engine.update_weights(model)   # after each policy update (no copy when the module is shared)
 
 Modules: `sampling` (SamplingParams, the sampler), `output` (Rollout), `text` (prompts, stop strings),
 `kv_cache` (pre-allocated cache), `fused` (lean Llama-family forward), `native` (decode loop),

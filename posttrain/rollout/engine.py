@@ -28,7 +28,7 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> None:
-        """Make the next `generate` use these weights (a no-op when the engine shares the module)."""
+        """Make the next `generate` use these weights; stages call it after every optimizer step."""
         ...
 
 

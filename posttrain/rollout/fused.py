@@ -120,8 +120,13 @@ class FusedWeights:
         # and `data_ptr` moves when it is replaced: together they say when the copies are stale.
         return tuple((p.data_ptr(), p._version) for p in self._params)
 
+    def invalidate(self) -> None:
+        """Rebuild at the next `refresh` whatever the version counters say (a fused optimizer step writes
+        parameters without bumping them)."""
+        self._key = None
+
     def refresh(self) -> None:
-        """Rebuild the fused copies if any source parameter changed since the last build."""
+        """Rebuild the fused copies if any source parameter changed since the last build (or `invalidate`)."""
         key = self._version()
         if key == self._key:
             return
@@ -446,10 +451,12 @@ class DecodePlan:
         bias = torch.zeros(rows, hkv, 1, cap, dtype=f32, device=dev)
         self.bias = bias.masked_fill_(~key_mask[:, None, None, :], float("-inf")).view(rows * hkv, 1, cap)
         self.inv_hidden = 1.0 / hidden
-        # mean h² as a batched dot product is the cheapest form for small batches; from ~16k elements on,
-        # its per-row GEMV overhead loses to a plain reduction (64 × 512: 108 µs vs 28 µs; 8 × 128: 9 vs 19)
+        # mean h² as a batched dot product is the cheapest form for one row or a short hidden size; for
+        # longer rows its per-row GEMV loses to a plain reduction, worst with 2 threads (1 / 2 threads, µs
+        # per norm, bmm vs mean: 64 × 128: 9 vs 15 / 9 vs 14; 1 × 512: 4 vs 12; 8 × 512: 16 vs 13 / 35 vs
+        # 14; 16 × 512: 27 vs 15 / 93 vs 16; 64 × 512: 94 vs 20 / 58 vs 37)
         self.ms_rows = self.ms.view(rows, 1)
-        self._normalise = self._normalise_bmm if rows * hidden <= 16384 else self._normalise_mean
+        self._normalise = self._normalise_bmm if rows == 1 or hidden <= 256 else self._normalise_mean
 
     def _normalise_bmm(self, eps: Tensor) -> None:
         """x ← h / √(mean h² + ε) in fp32, cast to the weight dtype: 3 ops (the norm weight is folded)."""

@@ -131,12 +131,17 @@ class NativeEngine:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def update_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> None:
-        """No copy needed when the engine shares the training module; a state dict is loaded into it."""
+        """Make the next `generate` sample from these weights. The engine shares the training module, so
+        passing that module copies nothing; a state dict (or another module) is loaded into it. Either
+        way the fused copies are rebuilt at the next `generate`: call this after every optimizer step,
+        because fused optimizers (`AdamW(fused=True)`) write parameters without bumping the version
+        counters the fused copies otherwise watch."""
         if isinstance(model_or_state_dict, dict):
             self.model.load_state_dict(model_or_state_dict)
         elif model_or_state_dict is not self.model:
             self.model.load_state_dict(model_or_state_dict.state_dict())
-        # FusedWeights notices the change through the parameters' version counters at the next generate.
+        if isinstance(self.step, FusedDecoder):
+            self.step.weights.invalidate()
 
     def _cache(self, rows: int, capacity: int, device: torch.device) -> KVCache:
         return KVCache.allocate(layers=self.layers, rows=rows, kv_heads=self.kv_heads, capacity=capacity,

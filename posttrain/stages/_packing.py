@@ -156,12 +156,22 @@ def pack_pairs(pairs: list[tuple[EncodedCompletion, EncodedCompletion]], pad_id:
     return PackedPairs(ids, positions, attention[:, None], targets, source.clamp_min(0), segment)
 
 
+def custom_mask(model, allowed: Tensor) -> Tensor:
+    """A 4-D mask (True = may attend) in the form the model's attention kernels read: transformers 5
+    passes a 4-D mask through unchanged, SDPA reads booleans, eager attention *adds* the mask to the
+    scores, so it gets 0 / the dtype's minimum instead (a boolean would add 1 or 0)."""
+    if getattr(model.config, "_attn_implementation", "sdpa") != "eager":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(torch.float32).min)
+
+
 def pair_logps(model, pairs: list[tuple[EncodedCompletion, EncodedCompletion]], pad_id: int, *,
                length_normalized: bool, row_len: int = 192) -> tuple[Tensor, Tensor]:
     """log π of both replies of each pair, from one shared-prompt forward. Shapes: (B,), (B,)."""
     device = next(model.parameters()).device
     pk = PackedPairs(*(t.to(device) for t in pack_pairs(pairs, pad_id, row_len)))
-    logits = model(input_ids=pk.input_ids, position_ids=pk.position_ids, attention_mask=pk.attention,
+    logits = model(input_ids=pk.input_ids, position_ids=pk.position_ids, attention_mask=custom_mask(model, pk.attention),
                    use_cache=False).logits  # (R, W, V)
     keep = pk.targets != -100
     rows = torch.arange(logits.shape[0], device=device)[:, None].expand_as(pk.source)

@@ -52,7 +52,6 @@ from posttrain.losses import (
     orpo_loss,
     simpo_loss,
 )
-from posttrain.models import load_model
 from posttrain.pipeline.config import DPOStage
 from posttrain.pipeline.context import RunContext, StageResult
 from posttrain.stages._gold_eval import compare_to_reference, heldout_problems
@@ -165,7 +164,7 @@ def run_dpo(cfg: DPOStage, ctx: RunContext) -> StageResult:
         f"{cfg.reference if method.uses_reference else 'none'}")
     ref_model, ref_cache = None, None
     if method.uses_reference:
-        ref_model = load_model(ctx.start, device=ctx.device).eval().requires_grad_(False)
+        ref_model = ctx.load_model(ctx.start).eval().requires_grad_(False)
         if cfg.reference == "cached":
             with ctx.phase("reference", stage=cfg.folder, step=t.step + 1,
                            cost=costs.forward(ref_model.config, batch=2 * len(items), seq_len=round(mean_len))), ctx.autocast():
@@ -219,7 +218,7 @@ def run_dpo(cfg: DPOStage, ctx: RunContext) -> StageResult:
 def gold_head_to_head(ctx: RunContext, cfg: DPOStage, model, step: int) -> dict[str, float]:
     """The policy against the start policy on held-out problems, judged by the gold reward."""
     with ctx.phase("eval", stage=cfg.folder, step=step):
-        reference = load_model(ctx.start, device=ctx.device)
+        reference = ctx.load_model(ctx.start)
         h2h = compare_to_reference(model, reference, ctx.tokenizer, heldout_problems(ctx.world, cfg.eval_per_level),
                                    temperature=cfg.eval_temperature, samples=cfg.eval_samples,
                                    max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed + 7)

@@ -56,12 +56,11 @@ from posttrain.losses import (
     token_logprobs,
 )
 from posttrain.losses._enum import StrEnum
-from posttrain.models import load_model
 from posttrain.pipeline.config import GRPOStage
 from posttrain.pipeline.context import RunContext, StageResult
 from posttrain.pipeline.evals import greedy
 from posttrain.rewards import WeightedVerifier
-from posttrain.rollout import Rollout, SamplingParams, make_engine
+from posttrain.rollout import Rollout, SamplingParams
 from posttrain.rollout.text import positions_from_mask
 from posttrain.stages._rlvr import (
     build_rewards,
@@ -290,8 +289,8 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
     sampler = EpochSampler(len(problems), 1, seed=ctx.recipe.seed)
     if t.data_state is not None:
         sampler.load_state_dict(t.data_state)
-    engine = make_engine(cfg.backend, t.model, tok)
-    ref_model = load_model(ctx.start, device=ctx.device).eval() if cfg.kl_coef > 0 else None
+    engine = ctx.rollout_engine(t.model, cfg.backend)
+    ref_model = ctx.load_model(ctx.start).eval() if cfg.kl_coef > 0 else None
     prompts_per_step = cfg.batch_size // cfg.group_size
     ctx.console.print(
         f"{stage}: loss {cfg.loss} ({variant.aggregation}, clip {1 - clip[0]:.2f}–{1 + clip[1]:.2f}), "
@@ -330,6 +329,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                             upd = update(ctx, cfg, t, b, ref_logps, variant, clip)
                         metrics.update(upd if it == 0 else {k: upd[k] for k in ("clip/low", "clip/high", "clip/approx_kl",
                                                                                     "clip/ratio_max", "train/grad_norm")})
+                    engine.update_weights(t.model)  # the next rollout samples the updated policy
                 metrics["train/seconds_per_rollout"] = time.perf_counter() - t0
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     with ctx.phase("eval", stage=stage, step=step):

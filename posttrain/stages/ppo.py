@@ -50,7 +50,6 @@ from posttrain.losses import (
     token_logprobs,
     token_mean,
 )
-from posttrain.models import load_model
 from posttrain.models.heads import (
     RewardNormalization,
     is_reward_model,
@@ -61,7 +60,7 @@ from posttrain.models.heads import (
 from posttrain.pipeline.checkpoint import final_checkpoint
 from posttrain.pipeline.config import PPOStage
 from posttrain.pipeline.context import RunContext, StageResult
-from posttrain.rollout import Rollout, SamplingParams, make_engine
+from posttrain.rollout import Rollout, SamplingParams
 from posttrain.stages._gold_eval import (
     compare_to_reference,
     fact_of,
@@ -145,7 +144,7 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
     problems = load_prompts(ctx, cfg)
     prompt_ids = [encode_prompt(p["prompt"], tok, cfg.max_prompt_len, origin=p.get("origin", "")) for p in problems]
     t = start_or_resume(ctx, cfg)
-    reference = load_model(ctx.start, device=ctx.device).eval().requires_grad_(False)
+    reference = ctx.load_model(ctx.start).eval().requires_grad_(False)
     reward_model = load_scalar_model(rm_path, device=ctx.device).eval().requires_grad_(False)
     critic = load_scalar_model(rm_path, device=ctx.device).train()
     critic_optim_cfg = cfg.optim.model_copy(update={"lr": cfg.critic_lr})
@@ -160,7 +159,7 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
         critic_opt.load_state_dict(t.data_state["critic_optimizer"])
         critic_sched.load_state_dict(t.data_state["critic_scheduler"])
         kl_ctl.load_state_dict(t.data_state["kl"])
-    engine = make_engine("native", t.model, tok)
+    engine = ctx.rollout_engine(t.model)
     minibatches = cfg.batch_size // cfg.minibatch_size
     ctx.console.print(
         f"{cfg.folder}: policy {ctx.start}, reward model {rm_path} (normalized: mean {norm.mean:.3f}, std {norm.std:.3f}); "
@@ -230,6 +229,7 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                 t.scheduler.step()
                 critic_sched.step()
                 t.step += 1
+                engine.update_weights(t.model)  # the next rollout samples the updated policy
             kl = kl_stats.as_floats()
             known = [g for g in gold if g is not None]
             metrics = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}

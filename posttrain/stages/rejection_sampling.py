@@ -35,11 +35,10 @@ import re
 from pathlib import Path
 
 from posttrain.data import Problem, prompt_messages, read_jsonl
-from posttrain.models import load_model
 from posttrain.pipeline.checkpoint import save_checkpoint
 from posttrain.pipeline.config import Recipe, RejectionSamplingStage
 from posttrain.pipeline.context import RunContext, StageResult
-from posttrain.rollout import Rollout, SamplingParams, make_engine
+from posttrain.rollout import Rollout, SamplingParams
 from posttrain.stages._rlvr import (
     build_rewards,
     close_rewards,
@@ -122,8 +121,8 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     problems = load_problems(ctx, cfg.data, levels=cfg.levels, seed_offset=SEED_OFFSET)
     prompts = encode_problems(problems, tok, cfg.max_prompt_len)
     verifiers = build_rewards(cfg.rewards)
-    model = load_model(ctx.start, device=ctx.device)
-    engine = make_engine("native", model, tok)
+    model = ctx.load_model(ctx.start)
+    engine = ctx.rollout_engine(model)
     out_path = output_path(cfg, ctx.run_dir)
     ctx.console.print(f"{stage}: {len(problems):,} prompts × N={cfg.samples} samples at T={cfg.temperature}; keep "
                       f"{cfg.keep} with summed reward ≥ {cfg.min_reward} "

@@ -28,7 +28,7 @@ import torch
 
 from posttrain.data import EncodedCompletion, EpochSampler, collate_sft, encode_prompt
 from posttrain.losses import bradley_terry_loss, rankings_to_pairs
-from posttrain.models import load_model, save_model
+from posttrain.models import save_model
 from posttrain.models.heads import (
     RewardNormalization,
     last_token_scores,
@@ -113,7 +113,7 @@ def normalize_and_agree(ctx: RunContext, cfg: RewardModelStage, model, step: int
     samples the gold judge tells apart measure the RM's agreement with it."""
     tok, k = ctx.tokenizer, cfg.samples_per_prompt
     problems = ctx.world.problems(max(1, cfg.norm_samples // k), seed_offset=17)
-    policy = load_model(ctx.start, device=ctx.device)
+    policy = ctx.load_model(ctx.start)
     prompts = [encode_prompt(p["prompt"], tok) for p in problems]
     params = SamplingParams(n=k, temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed)
     with ctx.phase("generate", stage=cfg.folder, step=step) as ph:

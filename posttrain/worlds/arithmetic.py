@@ -171,23 +171,32 @@ def gold_reward(f: Fact, completion: str) -> float:
     return 1.0 - min(0.5, 0.01 * len(body))
 
 
+# Held-out problems per level by default, and the most L3 may hold out (it is sampled from 810,000).
+BASE_EVAL, EVAL_CAP_L3 = 200, 20_000
+
+
 @dataclass
 class ArithmeticWorld:
     """All splits of the world, deterministic for a seed. Eval problems are held out of every split."""
 
     seed: int = 0
-    eval_per_level: int = 200
+    eval_per_level: int = BASE_EVAL  # held-out problems per level (fewer where a level has fewer)
     ramble_rate: float = 0.3  # share of SFT demonstrations that ramble before the answer
     level_weights: dict[str, float] = field(default_factory=lambda: {"L1": 0.35, "L2": 0.3, "L3": 0.1, "L4": 0.25})
+    # every problem a training split has drawn from this instance, for contamination checks
+    drawn: set[Fact] = field(default_factory=set, repr=False, compare=False)
 
     @cached_property
     def eval_facts(self) -> dict[str, list[Fact]]:
+        """Held-out problems per level. The first `BASE_EVAL` of each level are the same whatever
+        `eval_per_level` is; a larger eval appends problems drawn from a second stream, so a small
+        eval is always a prefix of a large one (and a checkpoint's score on it does not move)."""
         rng = random.Random(f"{self.seed}-eval")
         out = {}
         for level in LEVELS:
             if level == "L3":
                 seen, facts = set(), []
-                while len(facts) < self.eval_per_level:
+                while len(facts) < BASE_EVAL:
                     f = sample_fact("L3", rng)
                     if f not in seen:
                         seen.add(f)
@@ -196,8 +205,16 @@ class ArithmeticWorld:
             else:
                 pool = all_facts(level)
                 # L1 has only 245 problems: hold out a quarter (the rest teach the format).
-                k = min(self.eval_per_level, len(pool) // 4)
-                out[level] = sorted(rng.sample(pool, k))
+                out[level] = sorted(rng.sample(pool, min(BASE_EVAL, len(pool) // 4)))
+        extra = random.Random(f"{self.seed}-eval-extra")
+        for level, facts in out.items():
+            cap = EVAL_CAP_L3 if level == "L3" else len(all_facts(level)) // 4
+            seen = set(facts)
+            while len(facts) < min(self.eval_per_level, cap):
+                f = sample_fact(level, extra)
+                if f not in seen:
+                    seen.add(f)
+                    facts.append(f)
         return out
 
     @cached_property
@@ -211,6 +228,7 @@ class ArithmeticWorld:
         while True:
             f = sample_fact(level, rng)
             if f not in self._held_out:
+                self.drawn.add(f)
                 return f
 
     # ---- pretraining -------------------------------------------------------------------------------
