@@ -1,7 +1,7 @@
 """GRPO step time: our `grpo` stage vs TRL `GRPOTrainer`, same tiny-30m weights, same data, same shape.
 
     python benchmarks/_vs_trl_grpo.py                  # 6 measured steps per side, 2 threads
-    python benchmarks/_vs_trl_grpo.py --steps 10 --threads 2
+    python benchmarks/_vs_trl_grpo.py --steps 8 --repeats 3       # the figures in docs/rlvr.md
 
 Both sides: the same randomly initialised tiny-30m Llama (built once, saved, loaded by each side), the
 same arithmetic-world problems (a JSONL file both read), G = 8 samples per prompt, 16 sequences per
@@ -181,23 +181,36 @@ def _side(side: str, model_dir: Path, data: Path, steps: int, threads: int) -> d
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def bench_grpo(steps: int = 6, threads: int = 2, sides: tuple[str, ...] = SIDES) -> dict:
-    """Run the sides, print settings, s/step, peak memory and the speed-ups; return the numbers."""
+def bench_grpo(steps: int = 6, threads: int = 2, sides: tuple[str, ...] = SIDES, repeats: int = 1) -> dict:
+    """Run the sides `repeats` times (the order reversed on every other round, so slow drifts of the
+    machine hit both), print settings, s/step, peak memory and the speed-ups; return the numbers.
+
+    Each side's figures are medians over rounds; each speed-up is the median over rounds of the ratio
+    within a round (the two sides ran minutes apart, not hours)."""
+    rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory() as folder:
         model_dir, data = prepare(Path(folder))
-        results = {s: _side(s, model_dir, data, steps, threads) for s in sides}
+        for k in range(repeats):
+            order = sides if k % 2 == 0 else tuple(reversed(sides))
+            rounds.append({s: _side(s, model_dir, data, steps, threads) for s in order})
+    med = statistics.median
+    results = {s: {**rounds[0][s], **{key: med(r[s][key] for r in rounds)
+                                       for key in ("s_per_step", "cpu_s_per_step", "peak_rss_mib")},
+                   "rounds_s_per_step": [r[s]["s_per_step"] for r in rounds]} for s in sides}
     print(f"\nGRPO step, tiny-30m, G={G}, {SEQS} sequences/step, ≤{COMPLETION} completion tokens, KL 0 "
-          f"(median of {steps} steps after 1 warm-up; {threads} threads)")
+          f"(median of {steps} steps after 1 warm-up, median over {repeats} round(s); {threads} threads)")
     for r in results.values():
-        print(f"  {r['side']:<15} {r['s_per_step']:6.3f} s/step wall, {r['cpu_s_per_step']:6.3f} s/step CPU   peak RSS {r['peak_rss_mib']:7.0f} MiB "
-              f"(after setup {r['rss_after_setup_mib']:.0f})   mean completion {r['completion_tokens_mean']:.1f} tokens")
+        spread = ", ".join(f"{x:.3f}" for x in r["rounds_s_per_step"])
+        print(f"  {r['side']:<15} {r['s_per_step']:6.3f} s/step wall ({spread}), {r['cpu_s_per_step']:6.3f} s/step CPU   "
+              f"peak RSS {r['peak_rss_mib']:7.0f} MiB   mean completion {r['completion_tokens_mean']:.1f} tokens")
         print(f"      {r['settings']}")
     for ours, theirs in PAIRS.items():
         for side in theirs:
             if ours in results and side in results:
-                a, b = results[ours], results[side]
-                print(f"  {ours} vs {side}: {b['s_per_step'] / a['s_per_step']:.2f}× wall, "
-                      f"{b['cpu_s_per_step'] / a['cpu_s_per_step']:.2f}× CPU time   (target ≥ 2.5×)")
+                wall = [r[side]["s_per_step"] / r[ours]["s_per_step"] for r in rounds]
+                cpu = [r[side]["cpu_s_per_step"] / r[ours]["cpu_s_per_step"] for r in rounds]
+                print(f"  {ours} vs {side}: {med(wall):.2f}× wall ({', '.join(f'{x:.2f}' for x in wall)}), "
+                      f"{med(cpu):.2f}× CPU time   (target ≥ 2.5×)")
     return results
 
 
@@ -207,11 +220,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--side", choices=SIDES, help="run one side in this process (the driver's subprocess)")
     ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="the sides to run")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds over the sides (medians; order alternates)")
     ap.add_argument("--model", type=Path)
     ap.add_argument("--data", type=Path)
     a = ap.parse_args()
     if a.side is None:
-        bench_grpo(a.steps, a.threads, tuple(a.sides))
+        bench_grpo(a.steps, a.threads, tuple(a.sides), a.repeats)
         return
     import os
 

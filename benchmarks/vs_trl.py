@@ -183,7 +183,7 @@ def bench_grpo(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from _vs_trl_grpo import bench_grpo as run
 
-    run(steps=args.steps, threads=args.threads)
+    run(steps=args.steps, threads=args.threads, repeats=args.reps)
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {"dpo": bench_dpo, "grpo": bench_grpo}

@@ -52,3 +52,15 @@ def test_load_errors_name_the_folder(tmp_path):
         load_model(tmp_path)
     with pytest.raises(ModelLoadError, match=r"does not exist"):
         load_tokenizer(tmp_path / "nope")
+
+
+def test_attention_choice():
+    from posttrain.models.loading import choose_attention
+
+    assert choose_attention("auto", "cpu", 160, torch.bfloat16) == "eager"   # measured faster there
+    assert choose_attention("auto", "cpu", 160, None) is None                # fp32: the model's SDPA
+    assert choose_attention("auto", "cpu", 4096, torch.bfloat16) is None     # long contexts: SDPA
+    assert choose_attention("auto", "cuda", 160, torch.bfloat16) is None
+    assert choose_attention("sdpa", "cpu", 160, torch.bfloat16) == "sdpa"
+    with pytest.raises(ValueError, match="unknown attention"):
+        choose_attention("flash", "cpu", 160)

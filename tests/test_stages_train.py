@@ -100,3 +100,14 @@ def test_a_loaded_start_is_evaluated_before_the_first_stage(tiny_run, tmp_path):
     base = {(e["level"], e["metric"]): e["value"] for e in evals if e["stage"] == "base"}
     assert base == earlier
     write_report(out)  # a base stage with evals and an eval phase but no training renders
+
+
+def test_fused_adamw_by_model_size():
+    from posttrain.pipeline.config import OptimConfig
+    from posttrain.stages._training import FUSED_MIN_PARAMETERS, build_optimizer
+
+    big, small = torch.nn.Linear(4096, FUSED_MIN_PARAMETERS // 4096 + 1), torch.nn.Linear(64, 64)
+    assert build_optimizer(big, OptimConfig()).defaults["fused"]
+    assert not build_optimizer(small, OptimConfig()).defaults["fused"]
+    assert build_optimizer(small, OptimConfig(fused=True)).defaults["fused"]
+    assert not build_optimizer(big, OptimConfig(fused=False)).defaults["fused"]

@@ -20,35 +20,40 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-# On a CPU, PyTorch's fused SDPA kernels lose to plain (eager) attention for short contexts: forward +
-# backward of tiny-30m at 16 × 52 tokens takes 458 ms with SDPA vs 352 ms eager in bf16 autocast
-# (756 vs 732 in fp32), at 8 × 256 tokens 1,182 vs 906 (bf16); at 2 × 1,024 SDPA wins (1.6 vs 3.1 s).
-# (docs/rlvr.md, "Speed against TRL").
+# On a CPU with bf16 autocast, PyTorch's fused SDPA kernels lose to plain (eager) attention for short
+# contexts: forward + backward of tiny-30m at 16 × 52 tokens takes 458 ms with SDPA vs 352 ms eager,
+# at 8 × 256 tokens 1,182 vs 906, tiny-1m at 32 × 128 244 vs 155; at 2 × 1,024 SDPA wins (1.6 vs 3.1 s).
+# In fp32 the two are within a few percent either way, and SFT's padded micro-batches ran slower eager,
+# so fp32 keeps SDPA (2 CPU threads, torch 2.13; docs/rlvr.md, "Speed against TRL").
 EAGER_MAX_POSITIONS_CPU = 512
 ATTENTION = ("auto", "sdpa", "eager")
 
 
-def choose_attention(requested: str, device: str | torch.device, max_positions: int | None) -> str | None:
-    """The attention implementation to run: `requested`, or for "auto" eager on a CPU when the model's
-    context is at most `EAGER_MAX_POSITIONS_CPU`, else None (the model's own default)."""
+def choose_attention(requested: str, device: str | torch.device, max_positions: int | None,
+                     autocast_dtype: torch.dtype | None = None) -> str | None:
+    """The attention implementation to run: `requested`, or for "auto" eager on a CPU under bf16
+    autocast when the model's context is at most `EAGER_MAX_POSITIONS_CPU`, else None (the model's
+    own default, SDPA)."""
     if requested not in ATTENTION:
         raise ValueError(f"unknown attention {requested!r}; expected one of {ATTENTION}")
     if requested != "auto":
         return requested
-    cpu = torch.device(device).type == "cpu"
-    return "eager" if cpu and max_positions is not None and max_positions <= EAGER_MAX_POSITIONS_CPU else None
+    short = max_positions is not None and max_positions <= EAGER_MAX_POSITIONS_CPU
+    cpu_bf16 = torch.device(device).type == "cpu" and autocast_dtype == torch.bfloat16
+    return "eager" if short and cpu_bf16 else None
 
 
 def load_model(path: str | Path, *, dtype: str = "fp32", device: str | torch.device = "cpu",
-               attention: str = "auto") -> PreTrainedModel:
+               attention: str = "auto", autocast_dtype: torch.dtype | None = None) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained` on a local folder, with a clear error when it is not one.
 
-    attention: "sdpa", "eager", or "auto" (`choose_attention`)."""
+    attention: "sdpa", "eager", or "auto" (`choose_attention`, which also reads the autocast dtype
+    the model will train under)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path}: not a Hugging Face model folder (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), local_files_only=True)
-    impl = choose_attention(attention, device, getattr(model.config, "max_position_embeddings", None))
+    impl = choose_attention(attention, device, getattr(model.config, "max_position_embeddings", None), autocast_dtype)
     if impl is not None and model.config._attn_implementation != impl:
         model.set_attn_implementation(impl)
     return model.to(device)

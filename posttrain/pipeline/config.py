@@ -27,7 +27,7 @@ class ModelConfig(Strict):
     arch: Literal["llama", "qwen2"] = Field("llama", description="architecture of a preset built from scratch")
     max_seq_len: int = Field(160, gt=8, description="context length of a model built from scratch")
     vocab_size: int = Field(512, ge=300, description="target vocabulary of the tokenizer trained for a model built from scratch")
-    attention: Literal["auto", "sdpa", "eager"] = Field("auto", description="attention kernels of the training forward: auto = eager on a CPU for contexts ≤ 512 tokens (measured faster there), else the model's default (sdpa)")
+    attention: Literal["auto", "sdpa", "eager"] = Field("auto", description="attention kernels of the training forward: auto = eager on a CPU under bf16 for contexts ≤ 512 tokens (measured faster there), else the model's default (sdpa)")
 
 
 class DataSource(Strict):
@@ -54,6 +54,7 @@ class OptimConfig(Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
+    fused: bool | None = Field(None, description="AdamW's fused kernel (true), the single-tensor loop (false), or by model size (null: fused from 10M parameters)")
 
 
 class TrainStage(Strict):

@@ -56,7 +56,7 @@ class RunContext:
         """A checkpoint of this run on its device, with the recipe's attention kernels."""
         from posttrain.models import load_model
 
-        return load_model(path, device=self.device, attention=self.recipe.model.attention)
+        return load_model(path, device=self.device, attention=self.recipe.model.attention, autocast_dtype=self.amp_dtype)
 
     def rollout_engine(self, model: torch.nn.Module, backend: str = "native"):
         """The stage's sampler for `model`. In a bf16 run the native engine samples from bf16 copies of
