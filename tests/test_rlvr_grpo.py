@@ -128,6 +128,33 @@ def test_teacher_forced_logprobs_match_sampling_time(policy_dir, tokenizer, worl
         assert bool(trunc.mask[row].any()) == (ro_a.finish_reason[r] == "stop")
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_forward_equals_the_padded_one(policy_dir, tokenizer, world, attention):
+    """`share_prompt`: groups as [prompt | c_1 | … | c_G] give the padded forward's completion logits and
+    gradients (mixed prompt and completion lengths, EOS-ended and truncated samples, a split group)."""
+    model = load_model(policy_dir, attention=attention)
+    engine = make_engine("native", model, tokenizer)
+    problems = world.problems(3, levels=["L1", "L3", "L4"])
+    prompts = [encode_prompt(p["prompt"], tokenizer) for p in problems]
+    ro = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=3))
+    b = build_batch([(ro, list(range(4)), torch.zeros(4)), (ro, [4, 5, 6], torch.zeros(3)), (ro, [8, 9, 10, 11], torch.zeros(4))],
+                    engine.pad_id, mask_truncated=False)
+    targets = b.input_ids[:, b.prompt_len:]
+
+    def run(share: bool):
+        model.zero_grad(set_to_none=True)
+        logits = completion_logits(model, b, share_prompt=share, pad_id=engine.pad_id)
+        lp = token_logprobs(logits, targets) * b.mask
+        lp.sum().backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    padded, g_padded = run(False)
+    shared, g_shared = run(True)
+    torch.testing.assert_close(shared, padded, atol=1e-4, rtol=0)
+    for n, g in g_padded.items():
+        torch.testing.assert_close(g_shared[n], g, atol=2e-4, rtol=1e-3, msg=n)
+
+
 # ---- dynamic sampling -----------------------------------------------------------------------------
 def _collect(ctx, cfg, policy_dir, tokenizer, verifier):
     model = load_model(policy_dir)
@@ -231,3 +258,18 @@ def test_config_rejects_bad_shapes():
         GRPOStage(batch_size=30, group_size=8)
     with pytest.raises(ValueError, match="multiples of mu"):
         GRPOStage(steps=5, mu=2)
+
+
+def test_stage_with_shared_prompts_stays_on_policy(tmp_path, policy_dir, tokenizer, world, monkeypatch):
+    """The whole stage with `share_prompt` (micro-batches, KL reference): with μ = 1 the importance
+    ratio of the shared-prompt update against the sampling-time log-probs is 1 up to round-off."""
+    monkeypatch.setattr(grpo_mod, "build_rewards", lambda specs: [WeightedVerifier("digits", _digits)])
+    cfg = GRPOStage(steps=2, batch_size=16, group_size=4, max_new_tokens=8, log_every=1, save_every=8, grad_accum=2,
+                    loss="dapo", kl_coef=0.05, share_prompt=True, data=[{"world": "arithmetic", "n": 50}],
+                    optim={"lr": 1e-3, "warmup_steps": 0, "min_lr_ratio": 1.0})
+    ctx, sink = make_ctx(tmp_path, policy_dir, tokenizer, world, cfg)
+    run_grpo(cfg, ctx)
+    recs = [r for r in sink.records if r["stage"] == "grpo"]
+    assert len(recs) == 2
+    assert recs[0]["clip/ratio_max"] == pytest.approx(1.0, abs=1e-3)
+    assert recs[0]["kl"] == pytest.approx(0.0, abs=1e-4)  # step 1: the policy is still the reference

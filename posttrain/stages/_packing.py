@@ -179,3 +179,65 @@ def pair_logps(model, pairs: list[tuple[EncodedCompletion, EncodedCompletion]], 
     logps = token_logprobs(picked, pk.targets.clamp_min(0))  # (R, W)
     both = _reduce(logps, keep, pk.segment, 2 * len(pairs), length_normalized)  # (2B,) a0, b0, a1, b1, …
     return both[0::2], both[1::2]
+
+
+# ---- GRPO groups: one prompt, G completions -----------------------------------------------------------
+class PackedGroups(NamedTuple):
+    """Groups laid out [prompt | c_1 | … | c_k], one group per row. Shapes: (R, W) unless noted."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    attention: Tensor  # (R, 1, W, W) bool: True where query q may attend key k
+    row: Tensor        # (B, N): the packed row holding completion token t of sequence b
+    col: Tensor        # (B, N): the column whose logits predict it (0 past the completion's end)
+
+
+def pack_groups(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> PackedGroups:
+    """Consecutive sequences with the same prompt share one copy of it: [prompt | c_1 | … | c_k], each
+    c_j attending to the prompt and to itself (never to c_1 … c_{j−1}), its positions continuing from
+    the prompt, its first token predicted from the prompt's last position — so every completion token
+    sees exactly the context it has in its own sequence. G samples of a P-token prompt cost P + Σ n_j
+    tokens instead of G·P + Σ n_j."""
+    groups: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        if groups and prompts[groups[-1][0]] == p:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    widths = [len(prompts[g[0]]) + sum(len(completions[i]) for i in g) for g in groups]
+    width, n = max(widths), max(1, max(len(c) for c in completions))
+    shape = (len(groups), width)
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    positions = torch.zeros(shape, dtype=torch.long)
+    owner = torch.full(shape, -2, dtype=torch.long)  # -1: prompt, j ≥ 0: completion j of the row, -2: padding
+    row = torch.zeros((len(prompts), n), dtype=torch.long)
+    col = torch.zeros((len(prompts), n), dtype=torch.long)
+    for r, members in enumerate(groups):
+        p = prompts[members[0]]
+        ids[r, : len(p)], positions[r, : len(p)], owner[r, : len(p)] = torch.tensor(p, dtype=torch.long), torch.arange(len(p)), -1
+        at = len(p)
+        for j, i in enumerate(members):
+            c = completions[i]
+            if c:
+                ids[r, at : at + len(c)] = torch.tensor(c, dtype=torch.long)
+                positions[r, at : at + len(c)] = torch.arange(len(p), len(p) + len(c))
+                owner[r, at : at + len(c)] = j
+                row[i, : len(c)] = r
+                col[i, : len(c)] = torch.tensor([len(p) - 1] + list(range(at, at + len(c) - 1)))
+            at += len(c)
+        positions[r, at:] = torch.arange(width - at)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    q, k = owner[:, :, None], owner[:, None, :]
+    attention = causal & ((k == -1) & (q >= -1) | (q == k) & (q >= 0))
+    attention |= torch.eye(width, dtype=torch.bool) & (owner == -2)[:, :, None]  # padding attends to itself
+    return PackedGroups(ids, positions, attention[:, None], row, col)
+
+
+def shared_prompt_logits(model, prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> Tensor:
+    """Logits predicting every completion token, from one shared-prompt forward per group (`pack_groups`).
+    Shape: (B, N, V), N the longest completion; rows past a completion's end are filler."""
+    device = next(model.parameters()).device
+    pk = PackedGroups(*(t.to(device) for t in pack_groups(prompts, completions, pad_id)))
+    logits = model(input_ids=pk.input_ids, position_ids=pk.position_ids, attention_mask=custom_mask(model, pk.attention),
+                   use_cache=False).logits  # (R, W, V)
+    return logits[pk.row, pk.col]

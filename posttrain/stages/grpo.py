@@ -71,6 +71,7 @@ from posttrain.stages._rlvr import (
     passed,
     score_rollout,
 )
+from posttrain.stages._packing import shared_prompt_logits
 from posttrain.stages._training import Trainer, optimizer_step, save, start_or_resume
 from posttrain.telemetry import costs
 from posttrain.worlds.arithmetic import parse_answer
@@ -157,9 +158,18 @@ def build_batch(pieces: list[tuple[Rollout, list[int], Tensor]], pad_id: int, *,
     return GroupBatch(ids, attn, positions_from_mask(attn), mask, old, torch.cat(advs).float(), p_len)
 
 
-def completion_logits(model: torch.nn.Module, b: GroupBatch) -> Tensor:
-    """Logits predicting each completion token. Shape: (R, N, V)."""
+def completion_logits(model: torch.nn.Module, b: GroupBatch, *, share_prompt: bool = False, pad_id: int = 0) -> Tensor:
+    """Logits predicting each completion token. Shape: (R, N, V).
+
+    share_prompt: one forward per group of consecutive rows with the same prompt, the prompt once
+    (`_packing.pack_groups`); else the padded (R, P + N) batch."""
     n = b.mask.shape[1]
+    if share_prompt:
+        p_mask, c_mask = b.attention_mask[:, : b.prompt_len], b.attention_mask[:, b.prompt_len :]
+        prompts = [row[m].tolist() for row, m in zip(b.input_ids[:, : b.prompt_len], p_mask)]
+        completions = [row[m].tolist() for row, m in zip(b.input_ids[:, b.prompt_len :], c_mask)]
+        logits = shared_prompt_logits(model, prompts, completions, pad_id)  # (R, N', V), N' ≤ N
+        return torch.nn.functional.pad(logits, (0, 0, 0, n - logits.shape[1]))
     out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
                 logits_to_keep=n + 1)
     return out.logits[:, :-1]
@@ -222,7 +232,7 @@ def collect_groups(ctx: RunContext, cfg: GRPOStage, engine, verifiers: list[Weig
 
 # ---- one update ----------------------------------------------------------------------------------
 def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps: Tensor | None, variant: LossVariant,
-           clip: tuple[float, float]) -> dict[str, float]:
+           clip: tuple[float, float], pad_id: int = 0) -> dict[str, float]:
     """One optimizer step over the whole batch in `grad_accum` micro-batches; exact accumulation
     (normalizers counted over the whole batch first)."""
     norm = loss_normalizer(b.mask, constant_length=cfg.max_new_tokens)
@@ -234,7 +244,7 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
     for i in range(0, len(b), micro):
         mb, sl = b.rows(slice(i, i + micro)), slice(i, i + micro)
         with ctx.autocast():
-            logits = completion_logits(t.model, mb)                                          # (r, N, V)
+            logits = completion_logits(t.model, mb, share_prompt=cfg.share_prompt, pad_id=pad_id)  # (r, N, V)
         logps = token_logprobs(logits.float(), mb.input_ids[:, mb.prompt_len :])            # (r, N)
         ref = None if ref_logps is None else ref_logps[sl]
         tok_loss, kl, stats = grpo_token_loss(logps, mb.old_logprobs, ref, mb.advantages, mb.mask,
@@ -257,9 +267,11 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
 
 
 @torch.no_grad()
-def reference_logprobs(ref_model: torch.nn.Module, b: GroupBatch, micro: int) -> Tensor:
+def reference_logprobs(ref_model: torch.nn.Module, b: GroupBatch, micro: int, *, share_prompt: bool = False,
+                       pad_id: int = 0) -> Tensor:
     """log π_ref of every completion token. Shape: (R, N)."""
-    out = [token_logprobs(completion_logits(ref_model, b.rows(slice(i, i + micro))).float(),
+    out = [token_logprobs(completion_logits(ref_model, b.rows(slice(i, i + micro)), share_prompt=share_prompt,
+                                            pad_id=pad_id).float(),
                           b.input_ids[i : i + micro, b.prompt_len :]) for i in range(0, len(b), micro)]
     return torch.cat(out)
 
@@ -317,16 +329,20 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                 else:
                     b = build_batch(got.pieces, engine.pad_id, mask_truncated=cfg.mask_truncated)
                     seq = b.input_ids.shape[1]
+                    # the rows a forward runs: padded (R, P + N), or with share_prompt one P + G·N row per group
+                    shape = ((math.ceil(len(b) / cfg.group_size), b.prompt_len + cfg.group_size * (seq - b.prompt_len))
+                             if cfg.share_prompt else (len(b), seq))
                     micro = math.ceil(len(b) / cfg.grad_accum)
                     ref_logps = None
                     if ref_model is not None:
                         with ctx.phase("reference", stage=stage, step=step,
-                                       cost=costs.forward(ref_model.config, batch=len(b), seq_len=seq)):
-                            ref_logps = reference_logprobs(ref_model, b, micro)
+                                       cost=costs.forward(ref_model.config, batch=shape[0], seq_len=shape[1])):
+                            ref_logps = reference_logprobs(ref_model, b, micro, share_prompt=cfg.share_prompt,
+                                                           pad_id=engine.pad_id)
                     for it in range(cfg.mu):
                         with ctx.phase("update", stage=stage, step=step,
-                                       cost=costs.train_step(t.model.config, batch=len(b), seq_len=seq)):
-                            upd = update(ctx, cfg, t, b, ref_logps, variant, clip)
+                                       cost=costs.train_step(t.model.config, batch=shape[0], seq_len=shape[1])):
+                            upd = update(ctx, cfg, t, b, ref_logps, variant, clip, engine.pad_id)
                         metrics.update(upd if it == 0 else {k: upd[k] for k in ("clip/low", "clip/high", "clip/approx_kl",
                                                                                     "clip/ratio_max", "train/grad_norm")})
                     engine.update_weights(t.model)  # the next rollout samples the updated policy
