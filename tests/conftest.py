@@ -9,6 +9,18 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): on a
+    shared 2-core machine two threads mostly wait for each other."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def world():
     from posttrain.worlds.arithmetic import ArithmeticWorld

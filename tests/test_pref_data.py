@@ -28,13 +28,7 @@ from posttrain.stages._preference_data import (
 from posttrain.worlds.arithmetic import Fact, gold_reward
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads mostly wait for each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_jsonl(path, rows) -> str:

@@ -16,13 +16,7 @@ from posttrain.stages._packing import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads mostly wait for each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])  # "auto" picks eager on a CPU for short contexts

@@ -26,13 +26,7 @@ from conftest import ListSink
 FAST = {"lr": 3e-3, "warmup_steps": 1, "min_lr_ratio": 1.0}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads mostly wait for each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_ctx(run_dir: Path, start: Path, tokenizer, world, stage) -> tuple[RunContext, ListSink]:

@@ -15,7 +15,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import PreTrainedTokenizerBase
 
+from posttrain.models import load_model
 from posttrain.pipeline.config import Recipe
+from posttrain.rollout import make_engine
+from posttrain.rollout.fused import fused_unsupported_reason
 from posttrain.telemetry import MetricSink, Telemetry
 from posttrain.telemetry.costs import Cost
 from posttrain.worlds.arithmetic import ArithmeticWorld
@@ -54,17 +57,12 @@ class RunContext:
 
     def load_model(self, path: Path):
         """A checkpoint of this run on its device, with the recipe's attention kernels."""
-        from posttrain.models import load_model
-
         return load_model(path, device=self.device, attention=self.recipe.model.attention, autocast_dtype=self.amp_dtype)
 
     def rollout_engine(self, model: torch.nn.Module, backend: str = "native"):
         """The stage's sampler for `model`. In a bf16 run the native engine samples from bf16 copies of
         the fp32 master weights (refreshed after every update; attention and the KV cache stay fp32)
         where its fused kernels support the architecture, as the update's autocast computes in bf16."""
-        from posttrain.rollout import make_engine
-        from posttrain.rollout.fused import fused_unsupported_reason
-
         options = {}
         if backend == "native" and self.amp_dtype is not None and fused_unsupported_reason(model) is None:
             options["dtype"] = self.amp_dtype

@@ -194,7 +194,6 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
                                measure_cpu=tc.measure_cpu, busy_hz=tc.busy_hz, started=t0)
     sink = JsonlSink(run_dir / "metrics.jsonl")
     evals_path = run_dir / "evals.jsonl"
-    records: list[EvalRecord] = []
 
     def evaluate(stage: str, checkpoint: Path, steps: int) -> None:
         # Between-stage evals are decode work: each generation batch is an `eval` phase with its cost.
@@ -209,7 +208,6 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
         with evals_path.open("a") as f:
             for r in as_json(stage_records):
                 f.write(json.dumps(r) + "\n")
-        records.extend(stage_records)
 
     try:
         # A loaded model is evaluated before the first stage: the "before" of every gain the run reports

@@ -8,6 +8,7 @@ for bit on the CPU with a fixed seed and thread count (tests/test_resume.py kill
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,10 +68,14 @@ class Trainer:
     data_state: dict[str, Any] | None  # the stage's data position, as it saved it
 
 
-def start_or_resume(ctx: RunContext, cfg: TrainStage) -> Trainer:
-    """Load the stage's start checkpoint — or its newest resumable one, restoring the whole state."""
+def start_or_resume(ctx: RunContext, cfg: TrainStage,
+                    load: Callable[[Path, bool], PreTrainedModel] | None = None) -> Trainer:
+    """Load the stage's start checkpoint — or its newest resumable one, restoring the whole state.
+
+    load(path, resuming): the model at `path` (default: `ctx.load_model`); a stage whose model is not
+    a causal LM (the reward model's scalar head) passes its own."""
     resume_from = latest_checkpoint(ctx.stage_dir(cfg.folder))
-    model = ctx.load_model(resume_from or ctx.start)
+    model = (load or (lambda path, _: ctx.load_model(path)))(resume_from or ctx.start, resume_from is not None)
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = warmup_cosine(optimizer, cfg.optim, cfg.steps)

@@ -38,45 +38,18 @@ from posttrain.pipeline.checkpoint import (
     FINAL,
     STATE_FILE,
     SUMMARY_FILE,
-    latest_checkpoint,
-    load_state,
     publish,
     rng_state,
-    set_rng_state,
 )
 from posttrain.pipeline.config import DataSource, RewardModelStage
 from posttrain.pipeline.context import RunContext, StageResult
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.stages._gold_eval import fact_of, gold_rewards
 from posttrain.stages._preference_data import encode_ranking_like, load_records
-from posttrain.stages._training import (
-    Trainer,
-    build_optimizer,
-    optimizer_step,
-    save,
-    warmup_cosine,
-)
+from posttrain.stages._training import Trainer, optimizer_step, save, start_or_resume
 from posttrain.telemetry import costs
 
 Item = list[EncodedCompletion]  # one ranking's responses, best first (a pair: [chosen, rejected])
-
-
-def start_or_resume_scalar(ctx: RunContext, cfg: RewardModelStage) -> Trainer:
-    """`_training.start_or_resume` for a scalar-head model: a new zero head on the start policy, or the
-    newest resumable checkpoint of this stage with its optimizer, schedule and RNG."""
-    resume_from = latest_checkpoint(ctx.stage_dir(cfg.folder))
-    model = load_scalar_model(resume_from or ctx.start, device=ctx.device, zero_head=resume_from is None)
-    model.train()
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = warmup_cosine(optimizer, cfg.optim, cfg.steps)
-    if resume_from is None:
-        return Trainer(model, optimizer, scheduler, step=0, data_state=None)
-    state = load_state(resume_from)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    ctx.console.print(f"[yellow]resuming {cfg.folder} from {resume_from.name} (step {state['step']})")
-    return Trainer(model, optimizer, scheduler, step=int(state["step"]), data_state=state.get("data"))
 
 
 def ranking_loss(model, items: list[Item], pad_id: int, normalizer: float):
@@ -170,7 +143,9 @@ def run_reward_model(cfg: RewardModelStage, ctx: RunContext) -> StageResult:
     held = load_records(ctx.world, [DataSource(world="arithmetic", n=cfg.heldout)], "preference", seed=seed, seed_offset=1).records if cfg.heldout else []
     val = [encode_ranking_like(r, tok, cfg.max_len, "left") for r in held]
     kinds = [str(r.meta.get("kind", "all")) for r in held]
-    t = start_or_resume_scalar(ctx, cfg)
+    # a new zero head on the start policy, or the scalar model of the checkpoint being resumed
+    t = start_or_resume(ctx, cfg, load=lambda path, resuming: load_scalar_model(path, device=ctx.device,
+                                                                                zero_head=not resuming))
     sampler = EpochSampler(len(train), cfg.batch_size, seed=seed)
     if t.data_state is not None:
         sampler.load_state_dict(t.data_state)
