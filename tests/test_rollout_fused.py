@@ -38,33 +38,34 @@ def test_pair_halves_puts_each_rotary_pair_side_by_side():
     assert pair_halves(6).tolist() == [0, 3, 1, 4, 2, 5]
 
 
-@pytest.mark.parametrize("kind, dtype", [("mkl", torch.float32), ("dnn", torch.float32), ("dnn", torch.bfloat16),
+@pytest.mark.parametrize("kind, dtype", [("mm", torch.float32), ("mm", torch.bfloat16), ("mkl", torch.float32),
+                                         ("dnn", torch.float32), ("dnn", torch.bfloat16),
                                          ("mv", torch.float32), ("mv", torch.bfloat16)])
-def test_every_projection_kind_computes_the_mm_product(kind, dtype):
+def test_every_projection_kind_computes_the_linear_product(kind, dtype):
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(48, 40, generator=g).to(dtype)                    # (in, out)
+    w = torch.randn(40, 48, generator=g).to(dtype)                    # (out, in), HF's layout
     b = torch.randn(40, generator=g).to(dtype)
     rows = 1 if kind == "mv" else 5
     x = torch.randn(rows, 48, generator=g).to(dtype)
-    ref = Projection(w, b, "mm", rows)(x).float()
+    ref = x.double() @ w.double().T + b.double()                      # the same bf16 values, exact products
     p = Projection(w, b, kind, rows)
-    # fp32: same products, another summation order → ~1e-6 on values of size ~10; bf16: one output rounding
-    # of values |y| ≲ 32 is ≤ 2^-8·32 = 0.125, and the two kernels may round on either side
+    # fp32: another summation order → ~1e-6 on values of size ~10; bf16: one output rounding of values
+    # |y| ≲ 32 is ≤ 2^-8·32 = 0.125 (plus the bias add's rounding in `add_to`)
     tol = 1e-4 if dtype == torch.float32 else 0.25
-    assert (p(x).float() - ref).abs().max() <= tol
+    assert (p(x).double() - ref).abs().max() <= tol
     out = torch.empty(rows, 40, dtype=dtype)
     p.into(x, out)
-    assert (out.float() - ref).abs().max() <= tol
+    assert (out.double() - ref).abs().max() <= tol
     h = torch.ones(rows, 40, dtype=dtype)
-    p.add_to(x, h)                                                     # h = 1 + x·W + b
-    assert (h.float() - (ref + 1)).abs().max() <= 2 * tol
+    p.add_to(x, h)                                                     # h = 1 + x·Wᵀ + b
+    assert (h.double() - (ref + 1)).abs().max() <= 2 * tol
 
 
 def test_mkl_projection_pads_fewer_rows_up_to_its_packing():
     g = torch.Generator().manual_seed(1)
-    w, x = torch.randn(32, 24, generator=g), torch.randn(8, 32, generator=g)
+    w, x = torch.randn(24, 32, generator=g), torch.randn(8, 32, generator=g)
     p = Projection(w, None, "mkl", 8)
-    assert torch.allclose(p(x[:3]), x[:3] @ w, atol=1e-5)            # 3 rows through a pack for 8
+    assert torch.allclose(p(x[:3]), x[:3] @ w.T, atol=1e-5)          # 3 rows through a pack for 8
     with pytest.raises(ValueError, match="packed for at most 8"):
         p(torch.randn(9, 32))
 

@@ -245,6 +245,27 @@ def test_update_weights_after_a_fused_optimizer_step(tok):
     assert torch.equal(after.completion_ids, ref.completion_ids)
 
 
+@pytest.mark.parametrize("dtype, matmul", [(None, "mm"), (None, "mkl"), (torch.bfloat16, "dnn"), (torch.bfloat16, "mv")])
+def test_a_rebuild_into_the_previous_buffers_equals_a_fresh_build(tok, dtype, matmul):
+    """`FusedWeights.refresh` writes each rebuild into the last one's buffers (and fp32 copies alias the
+    parameters): after an update the engine must compute exactly what a new engine computes."""
+    model = _model(tok, "tiny-1m")
+    rows = 1 if matmul == "mv" else 3
+    prompts = prompts_of(tok, rows)
+    params = SamplingParams(max_new_tokens=8, seed=3)
+    engine = NativeEngine(model, tok, kernels="fused", dtype=dtype, matmul=matmul)
+    before = engine.generate(prompts, params)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)
+    engine.update_weights(model)
+    after = engine.generate(prompts, params)
+    fresh = NativeEngine(model, tok, kernels="fused", dtype=dtype, matmul=matmul).generate(prompts, params)
+    assert not torch.equal(before.policy_logprobs, after.policy_logprobs)
+    assert torch.equal(after.completion_ids, fresh.completion_ids)
+    assert torch.equal(after.policy_logprobs, fresh.policy_logprobs)
+
+
 def test_bf16_weights_give_the_bf16_models_logprobs(tok, tiny1m):
     params = SamplingParams(max_new_tokens=8, seed=2)
     r = NativeEngine(tiny1m, tok, dtype=torch.bfloat16).generate(prompts_of(tok, 3), params)

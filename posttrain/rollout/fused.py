@@ -9,9 +9,12 @@ its size, so the op count *is* the decode step.
 Departures from the HF forward (numbered):
 1. Fused weights, built once and rebuilt only when a source parameter changes (its in-place version
    counter moves, as after an optimizer step): Q/K/V are one matmul, gate/up are one matmul.
-2. Weights are stored pre-transposed, (in, out) contiguous, and multiplied with `torch.mm`/`addmm`:
-   MKL's sgemm runs the "NN" layout up to 2× faster than `F.linear`'s "NT" at 8 rows (measured, see
-   docs/rollout.md), and no transpose happens per step. This is one extra copy of the weights.
+2. The fused copies keep HF's (out, in) layout, written in one pass each from the parameters (fp32
+   weights without a folded norm are the parameters themselves, no copy). Each decode matmul then
+   takes the form measured fastest for its dtype and row count (`projection_kind`): packed MKL or
+   oneDNN weights, or a pre-transposed (in, out) copy multiplied with `torch.mm`/`addmm` — MKL's sgemm
+   runs "NN" up to 2× faster than `F.linear`'s "NT" at 8 rows (docs/rollout.md). Prefill uses
+   `F.linear` on the (out, in) copies.
 3. RMSNorm weights are folded into the next matmul: RMSNorm(x)·W = (x·s)(diag(w)·W) with the per-row
    scale s = 1/√(mean x² + ε) — exact in real arithmetic, one rounding of w·W in floating point.
 4. RoPE as one complex multiply: the rows of W_q and W_k are permuted within each head so that
@@ -97,21 +100,28 @@ def pair_halves(head_dim: int) -> Tensor:
 
 @dataclass
 class _Layer:
-    wqkv: Tensor          # (H, (Hq + 2·Hkv)·D), input norm folded, Q/K features paired
+    wqkv: Tensor          # ((Hq + 2·Hkv)·D, H), input norm folded, Q/K features paired
     bqkv: Tensor | None   # ((Hq + 2·Hkv)·D,)
-    wo: Tensor            # (Hq·D, H)
+    wo: Tensor            # (H, Hq·D)
     bo: Tensor | None     # (H,)
-    wgu: Tensor           # (H, 2·I), post-attention norm folded: [gate | up]
-    wd: Tensor            # (I, H)
+    wgu: Tensor           # (2·I, H), post-attention norm folded: [gate | up]
+    wd: Tensor            # (H, I)
 
 
 class FusedWeights:
-    """Fused, pre-transposed (and optionally cast) copies of a Llama-family model's weights, kept in sync."""
+    """Fused (and optionally cast) copies of a Llama-family model's weights in HF's (out, in) layout,
+    kept in sync; plus the decode-step forms of them (`projections`), rebuilt with them.
+
+    A rebuild reads every parameter once and writes each copy once, into the buffers of the previous
+    build (a policy's weights change after every optimizer step, so this runs once per rollout):
+    rotary pairing is a strided view of the Q/K rows, the norm fold and the cast are one `mul`.
+    """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
         self.model, self.dtype = model, dtype
         self._params = list(model.parameters())
         self._key: tuple | None = None
+        self._buffers: dict[str, Tensor] = {}
         self.layers: list[_Layer] = []
         self._projections: dict[str, tuple[int, list[_LayerProjections], Projection]] = {}
 
@@ -125,6 +135,34 @@ class FusedWeights:
         parameters without bumping them)."""
         self._key = None
 
+    def _buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """The previous build's tensor `name` if it has this shape, dtype and device, else a new one."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != shape or buf.dtype != self._dt or buf.device != like.device:
+            buf = self._buffers[name] = torch.empty(shape, dtype=self._dt, device=like.device)
+        return buf
+
+    def _copy(self, name: str, w: Tensor, norm: Tensor | None = None) -> Tensor:
+        """w (out, in) with the norm weight folded into its columns, in the copies' dtype. An fp32 weight
+        with nothing to fold is returned as is (a detached view of the parameter)."""
+        w = w.detach()
+        if norm is None and w.dtype == self._dt:
+            return w
+        out = self._buffer(name, tuple(w.shape), w)
+        return out.copy_(w) if norm is None else torch.mul(w, norm.detach(), out=out)
+
+    def _qkv(self, name: str, a: nn.Module, norm: Tensor, heads: int, kv_heads: int, d: int) -> Tensor:
+        """[W_q; W_k; W_v] with the norm folded and each Q/K head's rows in `pair_halves` order (departure 4):
+        the pairing is the view (heads, 2, D/2, H) → (heads, D/2, 2, H), so the gather is the `mul`'s read."""
+        hidden = a.q_proj.weight.shape[1]
+        out = self._buffer(name, ((heads + 2 * kv_heads) * d, hidden), a.q_proj.weight)
+        n = norm.detach()
+        q, k = out[: heads * d], out[heads * d : (heads + kv_heads) * d]
+        torch.mul(_paired(a.q_proj.weight.detach(), heads, d), n, out=q.view(heads, d // 2, 2, hidden))
+        torch.mul(_paired(a.k_proj.weight.detach(), kv_heads, d), n, out=k.view(kv_heads, d // 2, 2, hidden))
+        torch.mul(a.v_proj.weight.detach(), n, out=out[(heads + kv_heads) * d :])
+        return out
+
     def refresh(self) -> None:
         """Rebuild the fused copies if any source parameter changed since the last build (or `invalidate`)."""
         key = self._version()
@@ -134,40 +172,35 @@ class FusedWeights:
         if any(getattr(mod, "bias", None) is not None for layer in m.model.layers
                for mod in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)):
             raise ValueError("FusedWeights: MLP biases are not supported (mlp_bias=True); use kernels='hf'")
-        dt = self.dtype or next(m.parameters()).dtype
+        self._dt = dt = self.dtype or next(m.parameters()).dtype
         heads, kv_heads = m.config.num_attention_heads, m.config.num_key_value_heads
-        head_dim = m.model.layers[0].self_attn.head_dim
-        pair = pair_halves(head_dim).to(next(m.parameters()).device)
-        q_order = (torch.arange(heads, device=pair.device)[:, None] * head_dim + pair).flatten()
-        k_order = (torch.arange(kv_heads, device=pair.device)[:, None] * head_dim + pair).flatten()
-
-        def nn_layout(w: Tensor, norm: Tensor | None = None) -> Tensor:  # (out, in) → (in, out), norm folded
-            w = w.detach().float()
-            if norm is not None:
-                w = w * norm.detach().float()[None, :]
-            return w.t().to(dt).contiguous()
+        d = m.model.layers[0].self_attn.head_dim
 
         self.layers = []
-        for layer in m.model.layers:
+        for i, layer in enumerate(m.model.layers):
             a, mlp = layer.self_attn, layer.mlp
-            wq, wk, wv = a.q_proj.weight[q_order], a.k_proj.weight[k_order], a.v_proj.weight
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
             bqkv = None
             if any(b is not None for b in biases):
-                bq, bk, bv = (b.detach() if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
-                              for b, w in zip(biases, (wq, wk, wv)))
-                bqkv = torch.cat([bq[q_order], bk[k_order], bv]).to(dt)
+                bq, bk, bv = (b.detach() if b is not None else torch.zeros(p.weight.shape[0], dtype=p.weight.dtype,
+                                                                             device=p.weight.device)
+                              for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj)))
+                bqkv = torch.cat([_paired(bq, heads, d).reshape(-1), _paired(bk, kv_heads, d).reshape(-1), bv]).to(dt)
+            gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+            wgu = self._buffer(f"{i}.gu", (gate.shape[0] + up.shape[0], gate.shape[1]), gate)
+            norm = layer.post_attention_layernorm.weight.detach()
+            torch.mul(gate.detach(), norm, out=wgu[: gate.shape[0]])
+            torch.mul(up.detach(), norm, out=wgu[gate.shape[0]:])
             self.layers.append(_Layer(
-                wqkv=nn_layout(torch.cat([wq, wk, wv], 0), layer.input_layernorm.weight),
+                wqkv=self._qkv(f"{i}.qkv", a, layer.input_layernorm.weight, heads, kv_heads, d),
                 bqkv=bqkv,
-                wo=nn_layout(a.o_proj.weight),
+                wo=self._copy(f"{i}.o", a.o_proj.weight),
                 bo=None if a.o_proj.bias is None else a.o_proj.bias.detach().to(dt),
-                wgu=nn_layout(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0),
-                              layer.post_attention_layernorm.weight),
-                wd=nn_layout(mlp.down_proj.weight),
+                wgu=wgu,
+                wd=self._copy(f"{i}.d", mlp.down_proj.weight),
             ))
-        self.embed = m.model.embed_tokens.weight.detach().to(dt)        # (V, H)
-        self.lm_head = nn_layout(m.lm_head.weight, m.model.norm.weight)  # (H, V), final norm folded
+        self.embed = self._copy("embed", m.model.embed_tokens.weight)                # (V, H)
+        self.lm_head = self._copy("lm_head", m.lm_head.weight, m.model.norm.weight)  # (V, H), final norm folded
         bias = getattr(m.lm_head, "bias", None)
         self.lm_head_bias = None if bias is None else bias.detach().to(dt)
         self._projections = {}
@@ -187,6 +220,11 @@ class FusedWeights:
         lm_head = Projection(self.lm_head, self.lm_head_bias, kind, rows)
         self._projections[kind] = (rows, layers, lm_head)
         return layers, lm_head
+
+
+def _paired(w: Tensor, heads: int, d: int) -> Tensor:
+    """Rows (heads·D, …) viewed as (heads, D/2, 2, …) in `pair_halves` order: element (h, i, j) is row h·D + j·D/2 + i."""
+    return w.view(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2)
 
 
 def _mm(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -225,7 +263,8 @@ def projection_kind(dtype: torch.dtype, rows: int, device: torch.device, weight_
 class Projection:
     """y = x·W + b for one (in, out) weight in one of `PROJECTION_KINDS`; all kinds compute the same product.
 
-    `mm`: `torch.mm` on the pre-transposed weight, writing into buffers; `mkl`: MKL packed sgemm,
+    `w` is (out, in) contiguous, HF's layout. `mm`: `torch.mm` on a pre-transposed (in, out) copy,
+    writing into buffers; `mkl`: MKL packed sgemm,
     packed for exactly `rows` rows (MKL would fall back to `F.linear` for another count, so fewer rows
     are zero-padded up to `rows`: at these sizes the GEMM streams the weights whatever the row count,
     and repacking costs ~7 decode steps); `dnn`: oneDNN packed GEMM (`rows` is a hint only); `mv`:
@@ -238,12 +277,12 @@ class Projection:
         if kind == "mv" and rows != 1:
             raise ValueError(f"Projection: kind='mv' needs rows=1, got {rows}")
         self.kind, self.b, self.rows = kind, b, rows
-        self.w = w.t().contiguous() if kind == "mv" else w                 # mv: (out, in); else (in, out)
+        self.w = w.t().contiguous() if kind == "mm" else w.contiguous()    # mm: (in, out); else (out, in)
         self.packed, self._pad = None, None
         if kind == "mkl":
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w.t(), rows)
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
         elif kind == "dnn":
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), rows)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
 
     def __call__(self, x: Tensor) -> Tensor:
         """x (R, in) → (R, out), a new tensor."""
@@ -252,13 +291,13 @@ class Projection:
         if self.kind == "mkl":
             rows = x.shape[0]
             if rows == self.rows:
-                return torch.ops.mkl._mkl_linear(x, self.packed, self.w.t(), self.b, self.rows)
+                return torch.ops.mkl._mkl_linear(x, self.packed, self.w, self.b, self.rows)
             if rows > self.rows:
                 raise ValueError(f"Projection: {rows} rows but packed for at most {self.rows}")
             if self._pad is None:
                 self._pad = x.new_zeros(self.rows, x.shape[1])
             self._pad[:rows].copy_(x)
-            return torch.ops.mkl._mkl_linear(self._pad, self.packed, self.w.t(), self.b, self.rows)[:rows]
+            return torch.ops.mkl._mkl_linear(self._pad, self.packed, self.w, self.b, self.rows)[:rows]
         if self.kind == "dnn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         y = torch.mv(self.w, x[0])[None]
@@ -369,7 +408,7 @@ class FusedDecoder:
         eye[:, kv_len - q:] = torch.eye(q, dtype=torch.bool, device=ids.device)
         mask = ((causal[None] & key_mask[:, None, :kv_len]) | eye[None])[:, None]   # (R, 1, q, S)
         for i, lw in enumerate(w.layers):
-            qkv = _mm(_normalise(h, self.eps), lw.wqkv, lw.bqkv).float()  # (N, (Hq + 2·Hkv)·D)
+            qkv = F.linear(_normalise(h, self.eps), lw.wqkv, lw.bqkv).float()  # (N, (Hq + 2·Hkv)·D)
             if keep is not None:                                           # back to the padded layout, pads = 0
                 qkv = qkv.new_zeros(rows * q, qkv.shape[1]).index_copy_(0, keep, qkv)
             qkv = qkv.view(rows, q, -1, d)                                 # (R, q, heads, D)
@@ -380,15 +419,15 @@ class FusedDecoder:
                                                scale=self.scaling, enable_gqa=hq != hkv)  # (R, Hq, q, D)
             a = a.transpose(1, 2).reshape(rows * q, hq * d)
             a = (a if keep is None else a[keep]).to(h.dtype)                # (N, Hq·D)
-            h = h + _mm(a, lw.wo, lw.bo)
-            gate, up = _mm(_normalise(h, self.eps), lw.wgu, None).chunk(2, dim=-1)
-            h = h + torch.mm(F.silu(gate) * up, lw.wd)
+            h = h + F.linear(a, lw.wo, lw.bo)
+            gate, up = F.linear(_normalise(h, self.eps), lw.wgu).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.wd)
         cache.advance(q)
         # each row's last new token is real (left padding): its packed index is the running count − 1
         last_index = torch.arange(rows, device=ids.device) * q + q - 1 if keep is None else \
             real.view(rows, q).long().cumsum(-1)[:, -1].cumsum(0) - 1
         last = _normalise(h[last_index], self.final_eps)                 # (R, H)
-        return _mm(last, w.lm_head, w.lm_head_bias).float()              # (R, V)
+        return F.linear(last, w.lm_head, w.lm_head_bias).float()         # (R, V)
 
     def plan(self, cache: KVCache, key_mask: Tensor) -> DecodePlan:
         """A one-token-per-row step bound to `cache` (rebuild after the cache's rows change)."""
@@ -430,7 +469,7 @@ class DecodePlan:
         self.qr = empty(rows, hq * d, dtype=f32)                           # rotated queries
         self.attn = empty(rows, hq * d, dtype=f32)
         self.attn_w = self.attn if dt == f32 else empty(rows, hq * d)
-        inter = w.layers[0].wd.shape[0]
+        inter = w.layers[0].wd.shape[1]
         self.gu = empty(rows, 2 * inter)
         self.act = empty(rows, inter)
         # views, built once
