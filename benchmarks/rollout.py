@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> None:
     tok = train_tokenizer(corpus(), vocab_size=512)
     texts = corpus(256, seed=1)
     print(f"# rollout benchmark: torch {torch.__version__}, {torch.get_num_threads()} thread(s), vocab {len(tok)}, "
-          f"{args.new_tokens} new tokens, temperature 1.0, {args.reps} reps (medians, order alternating)")
+          f"{args.new_tokens} new tokens, temperature 1.0, {args.reps} reps (medians, order alternating), "
+          f"native matmul {args.matmul}")
     for dname in args.dtypes:
         print(f"\n## weights {dname} (both sides)\n")
         print("| model | params | batch | generate tok/s (wall / CPU) | native tok/s (wall / CPU) "
@@ -117,7 +118,8 @@ def run(args: argparse.Namespace) -> None:
                 continue
             model = build_tiny(preset, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                                eos_token_id=tok.eos_token_id, seed=0).eval().to(DTYPES[dname])
-            engines = {"generate": make_engine("hf", model, tok), "native": make_engine("native", model, tok)}
+            engines = {"generate": make_engine("hf", model, tok),
+                       "native": make_engine("native", model, tok, matmul=args.matmul)}
             prompts = [tok(texts[i])["input_ids"][: 6 + (i * 5) % 12] for i in range(batch)]  # 6..17 tokens
             sides, ratio_wall, ratio_cpu = measure(engines, prompts, args.reps, args.new_tokens)
             g, n = sides["generate"], sides["native"]
@@ -141,6 +143,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
     ap.add_argument("--models", nargs="+", default=["tiny-1m", "tiny-30m"])
     ap.add_argument("--batches", nargs="+", type=int, default=None, help="only these batch sizes of the grid")
+    ap.add_argument("--matmul", default="auto", help="the native engine's decode matmul form (auto, mm, mkl, dnn, mv)")
     run(ap.parse_args())
 
 

@@ -94,7 +94,7 @@ def test_projection_kind_picks_packing_only_for_large_cpu_weights():
 def test_decode_plan_equals_the_many_token_forward(tok, arch, preset, dtype, kind, rows):
     """Prefill 5 tokens, then one token by the plan vs the same token by `FusedDecoder.__call__` (q = 1)."""
     model = build_tiny(preset, vocab_size=len(tok), arch=arch, seed=0).eval().to(dtype)
-    dec = FusedDecoder(model, matmul=kind)
+    dec = FusedDecoder(model, matmul=kind, compute=dtype)             # bf16 arithmetic, not the widened form
     dec.prepare(16, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, len(tok), (rows, 6), generator=g)

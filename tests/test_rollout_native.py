@@ -245,30 +245,52 @@ def test_update_weights_after_a_fused_optimizer_step(tok):
     assert torch.equal(after.completion_ids, ref.completion_ids)
 
 
-@pytest.mark.parametrize("dtype, matmul", [(None, "mm"), (None, "mkl"), (torch.bfloat16, "dnn"), (torch.bfloat16, "mv")])
-def test_a_rebuild_into_the_previous_buffers_equals_a_fresh_build(tok, dtype, matmul):
+@pytest.mark.parametrize("dtype, matmul, compute", [(None, "mm", "auto"), (None, "mkl", "auto"),
+                                                    (torch.bfloat16, "dnn", torch.bfloat16),
+                                                    (torch.bfloat16, "mv", torch.bfloat16),
+                                                    (torch.bfloat16, "mm", "auto")])  # bf16 values widened to fp32
+def test_a_rebuild_into_the_previous_buffers_equals_a_fresh_build(tok, dtype, matmul, compute):
     """`FusedWeights.refresh` writes each rebuild into the last one's buffers (and fp32 copies alias the
     parameters): after an update the engine must compute exactly what a new engine computes."""
     model = _model(tok, "tiny-1m")
     rows = 1 if matmul == "mv" else 3
     prompts = prompts_of(tok, rows)
     params = SamplingParams(max_new_tokens=8, seed=3)
-    engine = NativeEngine(model, tok, kernels="fused", dtype=dtype, matmul=matmul)
+    engine = NativeEngine(model, tok, kernels="fused", dtype=dtype, matmul=matmul, compute=compute)
     before = engine.generate(prompts, params)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.1)
     engine.update_weights(model)
     after = engine.generate(prompts, params)
-    fresh = NativeEngine(model, tok, kernels="fused", dtype=dtype, matmul=matmul).generate(prompts, params)
+    fresh = NativeEngine(model, tok, kernels="fused", dtype=dtype, matmul=matmul, compute=compute).generate(prompts, params)
     assert not torch.equal(before.policy_logprobs, after.policy_logprobs)
     assert torch.equal(after.completion_ids, fresh.completion_ids)
     assert torch.equal(after.policy_logprobs, fresh.policy_logprobs)
 
 
+def test_small_bf16_weights_are_multiplied_in_fp32_on_their_exact_values(tok, tiny1m):
+    """tiny-1m in bf16 decodes in fp32 (`fused.compute_dtype`): the log-probs are then those of the bf16
+    model's values in exact fp32 arithmetic, i.e. of the widened model, to fp32 precision."""
+    import copy
+    params = SamplingParams(max_new_tokens=8, seed=2)
+    engine = NativeEngine(tiny1m, tok, dtype=torch.bfloat16)
+    r = engine.generate(prompts_of(tok, 3), params)
+    assert engine.step.compute_dtype == torch.float32 and engine.step.weights.lm_head.dtype == torch.float32
+    widened = copy.deepcopy(tiny1m).to(torch.bfloat16).float()
+    tf = teacher_forced(widened, r).log_softmax(-1).gather(-1, r.completion_ids[..., None])[..., 0]
+    assert float((tf - r.policy_logprobs)[r.completion_mask].abs().max()) <= 1e-4
+    assert all(bool((n.weight == 1).all())                           # unit norm weights: folding rounds nothing
+               for n in tiny1m.modules() if type(n).__name__ == "LlamaRMSNorm")
+    m16 = copy.deepcopy(tiny1m).to(torch.bfloat16)                     # a bf16 model itself: the same choice
+    r16 = NativeEngine(m16, tok).generate(prompts_of(tok, 3), params)
+    assert torch.equal(r16.completion_ids, r.completion_ids)
+    assert float((r16.policy_logprobs - r.policy_logprobs).abs().max()) <= 1e-5
+
+
 def test_bf16_weights_give_the_bf16_models_logprobs(tok, tiny1m):
     params = SamplingParams(max_new_tokens=8, seed=2)
-    r = NativeEngine(tiny1m, tok, dtype=torch.bfloat16).generate(prompts_of(tok, 3), params)
+    r = NativeEngine(tiny1m, tok, dtype=torch.bfloat16, compute=torch.bfloat16).generate(prompts_of(tok, 3), params)
     import copy
     m16 = copy.deepcopy(tiny1m).to(torch.bfloat16)
     tf = teacher_forced(m16, r).log_softmax(-1).gather(-1, r.completion_ids[..., None])[..., 0]

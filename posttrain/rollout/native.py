@@ -97,6 +97,8 @@ class NativeEngine:
         one row finishes, 0.0 = never).
     matmul: form of the fused path's decode matmuls: "auto" (`fused.projection_kind`: packed MKL / oneDNN
         weights where they were measured faster on a CPU), or one of "mm", "mkl", "dnn", "mv" (tests).
+    compute: the dtype the fused path multiplies in: "auto" (`fused.compute_dtype`: fp32 for small
+        bf16/fp16 weights on a CPU, holding their rounded values exactly; else the weight dtype) or a dtype.
     Memory: the fused path keeps its own copy of the weights (fused, pre-transposed; plus a packed copy
     for "mkl"/"dnn"/"mv") and an fp32 KV cache whatever the weight dtype.
     """
@@ -105,7 +107,7 @@ class NativeEngine:
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None, *,
                  kernels: str = "auto", dtype: torch.dtype | None = None, compact_below: float = 0.875,
-                 eos_token_ids: Sequence[int] | None = None, matmul: str = "auto"):
+                 eos_token_ids: Sequence[int] | None = None, matmul: str = "auto", compute: torch.dtype | str = "auto"):
         if kernels not in ("auto", "fused", "hf"):
             raise ValueError(f"NativeEngine: kernels={kernels!r}; expected 'auto', 'fused' or 'hf'")
         if not 0.0 <= compact_below <= 1.0:
@@ -120,7 +122,7 @@ class NativeEngine:
             raise ValueError(f"NativeEngine: dtype={dtype} differs from the model's {model_dtype}, which needs "
                              f"the fused kernels ({reason or 'kernels=hf was asked for'}); cast the model instead")
         self.kernels = "fused" if use_fused else "hf"
-        self.step = FusedDecoder(model, dtype, matmul=matmul) if use_fused else HFForward(model)
+        self.step = FusedDecoder(model, dtype, matmul=matmul, compute=compute) if use_fused else HFForward(model)
         self.dtype = dtype or model_dtype
         self.compact_below = compact_below
         self.eos_ids = list(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model, tokenizer)
