@@ -226,8 +226,10 @@ class FusedWeights:
         """Every decode matmul in form `kind` for `rows` rows; the last build per kind is kept (packing
         costs about one pass over the weights, so a plan rebuilt for the same rows reuses it)."""
         cached = self._projections.get(kind)
-        # dnn: rows is only a hint; mkl: pads up to the packed rows (repack only below half of them)
-        if cached is not None and (cached[0] == rows or kind == "dnn" or (kind == "mkl" and rows <= cached[0] < 2 * rows)):
+        # mm, dnn: any rows (for dnn, rows is only a hint); mkl: pads up to the packed rows (repack only
+        # below half of them). A compaction of the batch rebuilds the plan, not the weights.
+        if cached is not None and (cached[0] == rows or kind in ("mm", "dnn")
+                                   or (kind == "mkl" and rows <= cached[0] < 2 * rows)):
             return cached[1], cached[2]
         layers = [_LayerProjections(qkv=Projection(lw.wqkv, lw.bqkv, kind, rows), o=Projection(lw.wo, lw.bo, kind, rows),
                                     gu=Projection(lw.wgu, None, kind, rows), d=Projection(lw.wd, None, kind, rows))
