@@ -81,3 +81,18 @@ def tiny_recipe_dict(**over) -> dict:
     }
     d.update(over)
     return d
+
+
+def make_reward_model(folder, policy_dir, *, mean: float = 0.0, std: float = 1.0):
+    """A reward-model folder whose head is a fixed random direction over the policy's backbone: a reward a
+    policy can chase in a few steps, and a score that differs between replies."""
+    import torch
+
+    from posttrain.models.heads import RewardNormalization, load_scalar_model
+
+    rm = load_scalar_model(policy_dir)
+    with torch.no_grad():
+        rm.score.weight.copy_(torch.randn(rm.score.weight.shape, generator=torch.Generator().manual_seed(1)))
+    rm.save_pretrained(folder)
+    RewardNormalization(mean=mean, std=std, n=1, policy=str(policy_dir)).save(folder)
+    return folder

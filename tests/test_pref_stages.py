@@ -21,7 +21,7 @@ from posttrain.stages.dpo import run_dpo
 from posttrain.stages.ppo import run_ppo
 from posttrain.stages.reward_model import run_reward_model
 from posttrain.telemetry import Telemetry
-from conftest import ListSink
+from conftest import ListSink, make_reward_model
 
 FAST = {"lr": 3e-3, "warmup_steps": 1, "min_lr_ratio": 1.0}
 
@@ -154,12 +154,7 @@ def test_dpo_reports_skipped_pairs_from_a_file(tmp_path, policy_dir, tokenizer, 
 def test_ppo_trains_every_parameter_and_raises_the_reward(tmp_path, policy_dir, tokenizer, world):
     # A reward model whose head is a fixed random direction: a reward the policy can chase in a few
     # iterations (the real one is tested by the demo numbers in docs/preference.md).
-    rm_dir = tmp_path / "rm"
-    rm = load_scalar_model(policy_dir)
-    with torch.no_grad():
-        rm.score.weight.copy_(torch.randn(rm.score.weight.shape, generator=torch.Generator().manual_seed(1)))
-    rm.save_pretrained(rm_dir)
-    RewardNormalization(mean=0.0, std=1.0, n=1, policy=str(policy_dir)).save(rm_dir)
+    rm_dir = make_reward_model(tmp_path / "rm", policy_dir)
     cfg = PPOStage(reward_model=str(rm_dir), steps=8, batch_size=16, minibatch_size=8, ppo_epochs=2, max_new_tokens=6,
                    data=[{"world": "arithmetic", "n": 64}], missing_eos_score=None, kl_coef=0.01, critic_lr=3e-3,
                    eval_per_level=2, eval_samples=1, log_every=1, optim={**FAST, "lr": 1e-2})

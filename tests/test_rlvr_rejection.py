@@ -25,7 +25,7 @@ from posttrain.stages.rejection_sampling import (
 )
 from posttrain.stages.sft import run_sft
 from posttrain.telemetry import Telemetry
-from conftest import ListSink
+from conftest import ListSink, make_reward_model
 
 PROBLEM = Problem(prompt="What is 2+3?", answer="5", level="L1")
 
@@ -122,3 +122,41 @@ def test_pass_at_k_evals_by_hand(world, tokenizer, monkeypatch):
     assert {r.eval for r in recs} == {"arithmetic@T1"} and all(r.n == 3 for r in recs)
     with pytest.raises(ValueError, match="every k"):
         pass_at_k_evals(torch.nn.Linear(1, 1), tokenizer, world, cfg, stage="s", checkpoint="c", samples=4, ks=(8,))
+
+
+# ---- scoring by a reward model -----------------------------------------------------------------
+
+
+def _kept(tmp_path, name, policy_dir, tokenizer, world, **stage):
+    # an untrained policy ends its turn rarely (truncated replies are never kept): many short samples
+    cfg = RejectionSamplingStage(name=name, samples=8, batch_prompts=16, max_new_tokens=32, min_reward=-1e9,
+                                 data=[{"world": "arithmetic", "n": 16}], **stage)
+    ctx = RunContext(run_dir=tmp_path, recipe=Recipe(stages=[cfg], threads=1), device=torch.device("cpu"),
+                     tokenizer=tokenizer, world=world, telemetry=Telemetry.disabled(), sink=ListSink(), start=policy_dir)
+    run_rejection_sampling(cfg, ctx)
+    rows = [json.loads(line) for line in output_path(cfg, tmp_path).read_text().splitlines()]
+    return {(json.dumps(r["messages"][:-1]), r["messages"][-1]["content"]): r["reward"] for r in rows}
+
+
+def test_rejection_sampling_scores_by_a_reward_model_alone_or_added_to_verifiers(tmp_path, policy_dir, tokenizer, world):
+    rm_dir = make_reward_model(tmp_path / "rm", policy_dir, mean=0.5, std=2.0)
+    gold = _kept(tmp_path, "gold", policy_dir, tokenizer, world, keep="all_correct")
+    rm = _kept(tmp_path, "rm", policy_dir, tokenizer, world, keep="all_correct", rewards=[], reward_model=str(rm_dir))
+    both = _kept(tmp_path, "both", policy_dir, tokenizer, world, keep="all_correct", reward_model=str(rm_dir),
+                 reward_model_weight=0.5)
+    # the same seeded samples in all three runs: every kept reply scored three ways
+    assert set(gold) == set(rm) == set(both)
+    assert len(rm) > len({p for p, _ in rm}) >= 4                   # some prompt kept several: "best" has a choice
+    assert len(set(rm.values())) == len(rm)                          # a real score, not a constant
+    assert all(both[k] == pytest.approx(gold[k] + 0.5 * rm[k], abs=1e-5) for k in both)
+    # the reward model's score is normalized: (raw − 0.5) / 2, so "best" is still its argmax per prompt
+    best = _kept(tmp_path, "best", policy_dir, tokenizer, world, keep="best", rewards=[], reward_model=str(rm_dir))
+    for (prompt, reply), r in best.items():
+        assert r == max(v for (p, _), v in rm.items() if p == prompt)
+
+
+def test_rejection_sampling_needs_something_to_score_with(tmp_path, policy_dir, tokenizer, world):
+    with pytest.raises(ValueError, match="nothing would score the samples"):
+        RejectionSamplingStage(rewards=[])
+    with pytest.raises(ValueError, match="neither a finished reward_model stage"):
+        _kept(tmp_path, "x", policy_dir, tokenizer, world, reward_model=str(tmp_path / "nowhere"))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -52,12 +51,10 @@ from posttrain.losses import (
 )
 from posttrain.models.heads import (
     RewardNormalization,
-    is_reward_model,
     last_token_scores,
     load_scalar_model,
     token_scores,
 )
-from posttrain.pipeline.checkpoint import final_checkpoint
 from posttrain.pipeline.config import PPOStage
 from posttrain.pipeline.context import RunContext, StageResult
 from posttrain.rollout import Rollout, SamplingParams
@@ -67,6 +64,7 @@ from posttrain.stages._gold_eval import (
     gold_rewards,
     heldout_problems,
 )
+from posttrain.stages._learned_reward import resolve_policy, resolve_reward_model
 from posttrain.stages._training import (
     build_optimizer,
     save,
@@ -74,25 +72,6 @@ from posttrain.stages._training import (
     warmup_cosine,
 )
 from posttrain.telemetry import costs
-
-
-def resolve_reward_model(ctx: RunContext, cfg: PPOStage) -> Path:
-    """The reward model: the named stage's final checkpoint in this run, or a path to one."""
-    in_run = final_checkpoint(ctx.stage_dir(cfg.reward_model))
-    path = in_run or Path(cfg.reward_model)
-    if not is_reward_model(path):
-        raise ValueError(f"{cfg.folder}: reward_model {cfg.reward_model!r} is neither a finished reward_model stage of "
-                         f"this run ({ctx.stage_dir(cfg.reward_model)}/final) nor a reward-model folder with reward_norm.json")
-    return path
-
-
-def resolve_policy(ctx: RunContext, norm: RewardNormalization) -> Path:
-    """The policy to start from: ctx.start — unless the pipeline handed over a reward model (its resume
-    path after a finished reward_model stage), whose reward_norm.json names the policy it was built for."""
-    if not is_reward_model(ctx.start):
-        return ctx.start
-    policy = Path(norm.policy)
-    return policy if policy.is_absolute() else ctx.run_dir / policy
 
 
 def load_prompts(ctx: RunContext, cfg: PPOStage) -> list[dict]:
@@ -138,7 +117,7 @@ def minibatch_step(model, optimizer, loss: Tensor, grad_clip: float) -> float:
 def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
     tok, seed = ctx.tokenizer, ctx.recipe.seed
-    rm_path = resolve_reward_model(ctx, cfg)
+    rm_path = resolve_reward_model(ctx, cfg.reward_model, cfg.folder)
     norm = RewardNormalization.load(rm_path)
     ctx = dataclasses.replace(ctx, start=resolve_policy(ctx, norm))
     problems = load_prompts(ctx, cfg)

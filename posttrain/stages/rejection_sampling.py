@@ -3,8 +3,10 @@
 References: Llama 2 (Touvron et al. 2023), §3.2.3 "Rejection Sampling": sample K outputs per prompt,
 keep the best by the reward, fine-tune on them; Llama 3 (Dubey et al. 2024), §4.2.2; DeepSeek-R1
 (2025), §2.3.3: rejection sampling on the RL checkpoint with rule-based verifiers, keeping only
-correct responses, for the next SFT round. Scoring here is by verifiers or the arithmetic world's
-gold judge (`rewards: [{name: gold}]`).
+correct responses, for the next SFT round. Scoring is by verifiers (`rewards`, e.g. the arithmetic
+world's gold judge `{name: gold}`), by a trained reward model (`reward_model`: its normalized score
+at the reply's last token, × `reward_model_weight`), or by their sum (Llama 2's setting is the
+reward model alone: `rewards: []`).
 
 What it writes: an SFT dataset in our JSONL schema (docs/data.md, kind `sft`), one
 `{"messages": [...prompt turns, {"role": "assistant", ...}], "reward", "level", "answer"}` row per
@@ -32,13 +34,20 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from posttrain.data import Problem, prompt_messages, read_jsonl
 from posttrain.pipeline.checkpoint import save_checkpoint
 from posttrain.pipeline.config import Recipe, RejectionSamplingStage
 from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import Rollout, SamplingParams
+from posttrain.stages._learned_reward import (
+    RewardModelScorer,
+    resolve_policy,
+    resolve_reward_model,
+)
 from posttrain.stages._rlvr import (
     build_rewards,
     close_rewards,
@@ -103,6 +112,25 @@ def sft_row(problem: Problem, completion: str, reward: float) -> dict:
             "level": problem.level, "answer": problem.answer}
 
 
+def score(verifiers: Sequence[WeightedVerifier], scorer: RewardModelScorer | None, weight: float, ro: Rollout,
+          problems: list[Problem]) -> tuple[list[float | None], dict[str, float]]:
+    """Each row's summed score — Σ verifier weights · scores, plus weight · the reward model's normalized
+    score — and the metrics. None where a verifier could not judge the row (it is then never kept)."""
+    if verifiers:
+        scored = score_rollout(verifiers, ro, problems)
+        total, metrics = list(scored.total), scored.metrics()
+    else:
+        total, metrics = [0.0] * len(ro), {}
+    if scorer is not None:
+        rm = scorer(ro).tolist()
+        total = [None if t is None else t + weight * s for t, s in zip(total, rm)]
+        metrics["reward/reward_model"] = sum(rm) / len(rm)
+        judged = [t for t in total if t is not None]
+        if judged:
+            metrics["reward/total"] = sum(judged) / len(judged)
+    return total, metrics
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     """Atomic: a temporary sibling, then one rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,13 +148,17 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     stage, tok = cfg.folder, ctx.tokenizer
     problems = load_problems(ctx, cfg.data, levels=cfg.levels, seed_offset=SEED_OFFSET)
     prompts = encode_problems(problems, tok, cfg.max_prompt_len)
+    scorer = (RewardModelScorer(resolve_reward_model(ctx, cfg.reward_model, stage), ctx.device)
+              if cfg.reward_model is not None else None)
     verifiers = build_rewards(cfg.rewards)
-    model = ctx.load_model(ctx.start)
+    model = ctx.load_model(resolve_policy(ctx))  # after a reward_model stage, the policy it was built for
     engine = ctx.rollout_engine(model)
     out_path = output_path(cfg, ctx.run_dir)
+    scored_by = [f"{r.name}×{r.weight:g}" for r in cfg.rewards]
+    if scorer is not None:
+        scored_by.append(f"reward model {scorer.path}×{cfg.reward_model_weight:g}")
     ctx.console.print(f"{stage}: {len(problems):,} prompts × N={cfg.samples} samples at T={cfg.temperature}; keep "
-                      f"{cfg.keep} with summed reward ≥ {cfg.min_reward} "
-                      f"({', '.join(f'{r.name}×{r.weight:g}' for r in cfg.rewards)}) → {out_path}")
+                      f"{cfg.keep} with summed reward ≥ {cfg.min_reward} ({', '.join(scored_by)}) → {out_path}")
 
     # ---- loop ----------------------------------------------------------------------------------
     rows: list[dict] = []
@@ -147,11 +179,11 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                     p.cost = costs.decode(model.config, batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
                                           new_tokens=max(1, ro.completion_ids.shape[1]))
                 with ctx.phase("score", stage=stage, step=step):
-                    scored = score_rollout(verifiers, ro, [problems[i] for i in idx])
+                    total, metrics = score(verifiers, scorer, cfg.reward_model_weight, ro, [problems[i] for i in idx])
                 kept_before = len(rows)
                 for j, i in enumerate(idx):
                     sl = slice(j * cfg.samples, (j + 1) * cfg.samples)
-                    kept, counts = select(problems[i], ro.texts[sl], scored.total[sl], ro.finish_reason[sl],
+                    kept, counts = select(problems[i], ro.texts[sl], total[sl], ro.finish_reason[sl],
                                           keep=cfg.keep, min_reward=cfg.min_reward)
                     key_prompt = json.dumps([m.as_dict() for m in prompt_messages(problems[i].prompt)])
                     new = [(c, r) for c, r in kept if (key_prompt, _SPACES.sub(" ", c)) not in seen_pairs]
@@ -162,10 +194,10 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                     totals["prompts_without_keep"] += not new
                     for k, v in counts.items():
                         totals[k] += v
-                judged = [t for t in scored.total if t is not None]
+                judged = [t for t in total if t is not None]
                 samples += len(ro)
                 passes += sum(t >= cfg.min_reward for t in judged)
-                last = {**scored.metrics(), "rs/accept_rate": sum(t >= cfg.min_reward for t in judged) / len(ro),
+                last = {**metrics, "rs/accept_rate": sum(t >= cfg.min_reward for t in judged) / len(ro),
                         "rs/kept": float(len(rows) - kept_before)}
                 if step < n_steps:
                     ctx.log(stage, step, last)
