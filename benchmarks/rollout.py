@@ -2,6 +2,7 @@
 
     python benchmarks/rollout.py                       # the issue's grid, fp32 and bf16 tables
     python benchmarks/rollout.py --reps 9 --dtypes fp32 --models tiny-30m
+    python benchmarks/rollout.py --dtypes bf16 --models tiny-1m --variant compute=bf16   # an engine option A/B
 
 Same model object, same prompts (mixed lengths), same sampling settings on both sides: temperature
 1.0, top-p 1, top-k 0, 64 new tokens, EOS ends a row on both sides; `generate` runs with its normal
@@ -101,6 +102,17 @@ def measure(engines: dict, prompts: list[list[int]], reps: int, new_tokens: int)
     return sides, ratio_wall, ratio_cpu
 
 
+def parse_variant(text: str) -> dict:
+    """`key=value,…` → native-engine options; dtype names become torch dtypes (compute=bf16)."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--variant: {item!r} is not key=value")
+        options[key.strip()] = DTYPES.get(value.strip(), value.strip())
+    return options
+
+
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     tok = train_tokenizer(corpus(), vocab_size=512)
@@ -113,6 +125,7 @@ def run(args: argparse.Namespace) -> None:
         print("| model | params | batch | generate tok/s (wall / CPU) | native tok/s (wall / CPU) "
               "| ratio wall | ratio CPU | target | roofline (native, CPU time) |")
         print("|---|---|---|---|---|---|---|---|---|")
+        notes: list[str] = []
         for preset, batch in GRID:
             if preset not in args.models or (args.batches and batch not in args.batches):
                 continue
@@ -120,6 +133,8 @@ def run(args: argparse.Namespace) -> None:
                                eos_token_id=tok.eos_token_id, seed=0).eval().to(DTYPES[dname])
             engines = {"generate": make_engine("hf", model, tok),
                        "native": make_engine("native", model, tok, matmul=args.matmul)}
+            if args.variant:  # a second native engine with other options, in the same alternation
+                engines["variant"] = make_engine("native", model, tok, **parse_variant(args.variant))
             prompts = [tok(texts[i])["input_ids"][: 6 + (i * 5) % 12] for i in range(batch)]  # 6..17 tokens
             sides, ratio_wall, ratio_cpu = measure(engines, prompts, args.reps, args.new_tokens)
             g, n = sides["generate"], sides["native"]
@@ -128,11 +143,19 @@ def run(args: argparse.Namespace) -> None:
             roof = roofline_hook(model.config, batch=batch, prompt_len=max(len(p) for p in prompts),
                                  new_tokens=args.new_tokens, dtype=dname, seconds=statistics.median(n.cpu_seconds))
             verdict = "ok" if rc >= target else "missed"
+            if "variant" in sides:
+                v = sides["variant"]
+                paired = [a / b for a, b in zip(n.cpu, v.cpu)]
+                notes.append(f"- {preset} b {batch}: variant ({args.variant}) {statistics.median(v.wall):,.0f} tok/s wall; "
+                             f"native/variant on CPU time {statistics.median(paired):.2f}× "
+                             f"(per rep: {', '.join(f'{x:.2f}' for x in paired)})")
             print(f"| {preset} | {count_parameters(model) / 1e6:.1f}M | {batch} "
                   f"| {statistics.median(g.wall):,.0f} / {statistics.median(g.cpu):,.0f} "
                   f"| {statistics.median(n.wall):,.0f} / {statistics.median(n.cpu):,.0f} "
                   f"| {rw:.2f}× | {rc:.2f}× (min {min(ratio_cpu):.2f}, max {max(ratio_cpu):.2f}) "
                   f"| ≥{target:.0f}× {verdict} | {roof} |", flush=True)
+        if notes:
+            print("\n" + "\n".join(notes), flush=True)
 
 
 def main() -> None:
@@ -144,6 +167,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["tiny-1m", "tiny-30m"])
     ap.add_argument("--batches", nargs="+", type=int, default=None, help="only these batch sizes of the grid")
     ap.add_argument("--matmul", default="auto", help="the native engine's decode matmul form (auto, mm, mkl, dnn, mv)")
+    ap.add_argument("--variant", default="", help="also time a native engine with these options, key=value,… "
+                    "(e.g. compute=bf16), in the same alternation; prints native/variant")
     run(ap.parse_args())
 
 
