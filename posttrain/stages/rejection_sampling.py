@@ -178,7 +178,9 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                     ro: Rollout = engine.generate([prompts[i] for i in idx], params)
                     p.cost = costs.decode(model.config, batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
                                           new_tokens=max(1, ro.completion_ids.shape[1]))
-                with ctx.phase("score", stage=stage, step=step):
+                rm_cost = None if scorer is None else costs.forward(
+                    scorer.model.config, batch=len(ro), seq_len=ro.sequence_ids.shape[1], logits="scalar")
+                with ctx.phase("score", stage=stage, step=step, cost=rm_cost):  # the reward model's forward, if any
                     total, metrics = score(verifiers, scorer, cfg.reward_model_weight, ro, [problems[i] for i in idx])
                 kept_before = len(rows)
                 for j, i in enumerate(idx):
