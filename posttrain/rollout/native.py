@@ -14,7 +14,7 @@ Departures from `transformers` `generate` (numbered):
 4. Sampling is one pure function on fp32 logits (`sampling.sample`; its buffer-writing twin
    `sample_into` on the hot path), no logits-processor objects. Its Gumbel noise is drawn for all rows
    every step (several steps per draw, `GumbelNoise`), so compaction never changes a sample.
-5. Llama-family models run through `FusedDecoder` (fused, pre-transposed and packed weights, complex
+5. Llama-family models run through `FusedDecoder` (fused weight copies in their fastest decode form, complex
    RoPE, fp32 attention over the cache, one pre-allocated `DecodePlan` per batch shape; see
    `fused.py`); any other HF causal LM runs its own forward (`HFForward`) on the same cache.
 6. Outputs are written step-major, (steps, rows), so each step's tokens and log-probs are one
@@ -99,8 +99,9 @@ class NativeEngine:
         weights where they were measured faster on a CPU), or one of "mm", "mkl", "dnn", "mv" (tests).
     compute: the dtype the fused path multiplies in: "auto" (`fused.compute_dtype`: fp32 for small
         bf16/fp16 weights on a CPU, holding their rounded values exactly; else the weight dtype) or a dtype.
-    Memory: the fused path keeps its own copy of the weights (fused, pre-transposed; plus a packed copy
-    for "mkl"/"dnn"/"mv") and an fp32 KV cache whatever the weight dtype.
+    Memory: the fused path keeps its own copy of the weights (fused, norm-folded; fp32 weights with nothing
+    to fold are shared with the model), the decode form of each (a transposed copy for "mm", a packed
+    one for "mkl"/"dnn"; "mv" uses the copy itself) and an fp32 KV cache whatever the weight dtype.
     """
 
     name = "native"
