@@ -48,6 +48,14 @@ def corpus(n: int = 2000, seed: int = 0) -> list[str]:
             f"{rng.randint(0, 999)} = {rng.randint(0, 99999)}" for _ in range(n)]
 
 
+def bench_case(preset: str, dtype: torch.dtype, batch: int, tok) -> tuple[torch.nn.Module, list[list[int]]]:
+    """The benchmark's model (the preset from seed 0, in `dtype`) and `batch` prompts of mixed lengths (6–17 tokens)."""
+    model = build_tiny(preset, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                       eos_token_id=tok.eos_token_id, seed=0).eval().to(dtype)
+    texts = corpus(256, seed=1)
+    return model, [tok(texts[i])["input_ids"][: 6 + (i * 5) % 12] for i in range(batch)]
+
+
 def roofline_hook(config, *, batch: int, prompt_len: int, new_tokens: int, dtype: str, seconds: float) -> str:
     """Place one run on the roofline via posttrain.telemetry (a note if telemetry is unavailable)."""
     try:
@@ -116,7 +124,6 @@ def parse_variant(text: str) -> dict:
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     tok = train_tokenizer(corpus(), vocab_size=512)
-    texts = corpus(256, seed=1)
     print(f"# rollout benchmark: torch {torch.__version__}, {torch.get_num_threads()} thread(s), vocab {len(tok)}, "
           f"{args.new_tokens} new tokens, temperature 1.0, {args.reps} reps (medians, order alternating), "
           f"native matmul {args.matmul}")
@@ -129,13 +136,11 @@ def run(args: argparse.Namespace) -> None:
         for preset, batch in GRID:
             if preset not in args.models or (args.batches and batch not in args.batches):
                 continue
-            model = build_tiny(preset, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                               eos_token_id=tok.eos_token_id, seed=0).eval().to(DTYPES[dname])
+            model, prompts = bench_case(preset, DTYPES[dname], batch, tok)
             engines = {"generate": make_engine("hf", model, tok),
                        "native": make_engine("native", model, tok, matmul=args.matmul)}
             if args.variant:  # a second native engine with other options, in the same alternation
                 engines["variant"] = make_engine("native", model, tok, **parse_variant(args.variant))
-            prompts = [tok(texts[i])["input_ids"][: 6 + (i * 5) % 12] for i in range(batch)]  # 6..17 tokens
             sides, ratio_wall, ratio_cpu = measure(engines, prompts, args.reps, args.new_tokens)
             g, n = sides["generate"], sides["native"]
             rw, rc = statistics.median(ratio_wall), statistics.median(ratio_cpu)

@@ -27,20 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, statistics, sys, time
 import torch
-sys.path.insert(0, sys.argv[5])                      # this checkout's benchmarks/ (the prompt corpus)
-from rollout import corpus
+sys.path.insert(0, sys.argv[5])                      # this checkout's benchmarks/: rollout.py's model and prompts
+from rollout import DTYPES, bench_case, corpus
 import posttrain
-from posttrain.models import build_tiny, train_tokenizer
+from posttrain.models import train_tokenizer
 from posttrain.rollout import SamplingParams, make_engine
 torch.set_num_threads(int(sys.argv[4]))
-dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1]]
-batch, preset = int(sys.argv[2]), sys.argv[3]
 tok = train_tokenizer(corpus(), vocab_size=512)
-texts = corpus(256, seed=1)
-model = build_tiny(preset, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                   seed=0).eval().to(dtype)
+model, prompts = bench_case(sys.argv[3], DTYPES[sys.argv[1]], int(sys.argv[2]), tok)
 engine = make_engine("native", model, tok)
-prompts = [tok(texts[i])["input_ids"][: 6 + (i * 5) % 12] for i in range(batch)]
 rates = []
 for rep in range(6):
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, seed=rep)

@@ -259,8 +259,8 @@ PACK_MIN_BYTES = 16 << 20  # tiny-1m (4 MB in fp32) stays on `mm`, tiny-30m (118
 def compute_dtype(dtype: torch.dtype, device: torch.device, fp32_bytes: int) -> torch.dtype:
     """The dtype to multiply `dtype` weights in (departure 10): fp32 for bf16/fp16 weights on a CPU when
     their fp32 copies are under `PACK_MIN_BYTES` (cache-resident: the step is op overhead, and a bf16 GEMM
-    costs ~25 µs a call however small — tiny-1m bf16 at 8 rows: 3.3× `generate` in bf16, 5.4× in fp32;
-    at 64 rows 2.4× vs 3.1×), else `dtype`."""
+    costs ~25 µs a call however small — tiny-1m bf16, fp32 vs bf16 arithmetic: 1.69× at 8 rows, 1.26× at
+    64, `benchmarks/rollout.py --variant compute=bf16`), else `dtype`."""
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and fp32_bytes < PACK_MIN_BYTES:
         return torch.float32
     return dtype

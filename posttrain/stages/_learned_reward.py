@@ -46,16 +46,18 @@ def resolve_policy(ctx: RunContext, norm: RewardNormalization | None = None) -> 
 
 
 class RewardModelScorer:
-    """`scorer(rollout)` → each row's normalized reward-model score at its last token. Shape: (R,) fp32."""
+    """`scorer(rollout)` → each row's normalized reward-model score at its last token. Shape: (R,) fp32.
 
-    def __init__(self, path: Path, device: torch.device, batch_rows: int = 64):
+    batch_rows: rows per forward (None: the whole rollout in one)."""
+
+    def __init__(self, path: Path, device: torch.device, batch_rows: int | None = 64):
         self.path, self.batch_rows = path, batch_rows
         self.norm = RewardNormalization.load(path)
         self.model = load_scalar_model(path, device=device).eval().requires_grad_(False)
 
     @torch.no_grad()
     def __call__(self, r: Rollout) -> Tensor:
-        b = self.batch_rows
+        b = self.batch_rows or len(r)
         return torch.cat([self.norm.apply(last_token_scores(self.model, r.sequence_ids[i : i + b],
                                                              r.sequence_mask[i : i + b], r.position_ids[i : i + b]))
                           for i in range(0, len(r), b)])

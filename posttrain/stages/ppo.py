@@ -50,8 +50,6 @@ from posttrain.losses import (
     token_mean,
 )
 from posttrain.models.heads import (
-    RewardNormalization,
-    last_token_scores,
     load_scalar_model,
     token_scores,
 )
@@ -64,7 +62,11 @@ from posttrain.stages._gold_eval import (
     gold_rewards,
     heldout_problems,
 )
-from posttrain.stages._learned_reward import resolve_policy, resolve_reward_model
+from posttrain.stages._learned_reward import (
+    RewardModelScorer,
+    resolve_policy,
+    resolve_reward_model,
+)
 from posttrain.stages._training import (
     build_optimizer,
     save,
@@ -118,13 +120,13 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
     tok, seed = ctx.tokenizer, ctx.recipe.seed
     rm_path = resolve_reward_model(ctx, cfg.reward_model, cfg.folder)
-    norm = RewardNormalization.load(rm_path)
+    scorer = RewardModelScorer(rm_path, ctx.device, batch_rows=None)  # the reward: frozen, normalized
+    norm = scorer.norm
     ctx = dataclasses.replace(ctx, start=resolve_policy(ctx, norm))
     problems = load_prompts(ctx, cfg)
     prompt_ids = [encode_prompt(p["prompt"], tok, cfg.max_prompt_len, origin=p.get("origin", "")) for p in problems]
     t = start_or_resume(ctx, cfg)
     reference = ctx.load_model(ctx.start).eval().requires_grad_(False)
-    reward_model = load_scalar_model(rm_path, device=ctx.device).eval().requires_grad_(False)
     critic = load_scalar_model(rm_path, device=ctx.device).train()
     critic_optim_cfg = cfg.optim.model_copy(update={"lr": cfg.critic_lr})
     critic_opt = build_optimizer(critic, critic_optim_cfg)
@@ -164,8 +166,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
             seq_len, mask = r.sequence_ids.shape[1], r.completion_mask.float()  # mask (R, N)
             truncated = torch.tensor([f == "length" for f in r.finish_reason], device=mask.device)
             with ctx.phase("score", stage=cfg.folder, step=step,
-                           cost=costs.forward(reward_model.config, batch=len(r), seq_len=seq_len, logits="scalar")), torch.no_grad():
-                rm_score = norm.apply(last_token_scores(reward_model, r.sequence_ids, r.sequence_mask, r.position_ids))  # (R,)
+                           cost=costs.forward(scorer.model.config, batch=len(r), seq_len=seq_len, logits="scalar")), torch.no_grad():
+                rm_score = scorer(r)  # (R,)
                 score = rm_score if cfg.missing_eos_score is None else torch.where(truncated, cfg.missing_eos_score, rm_score)
                 gold = gold_rewards([fact_of(problems[i]) for i in index], r.texts, r.finish_reason)
             with ctx.phase("reference", stage=cfg.folder, step=step,
