@@ -9,6 +9,21 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory):
+    """Machine caches (CPU peaks, decode-matmul choices) go to a temporary folder, not ~/.cache/posttrain:
+    a test run neither reads a user's measurements nor leaves its own behind."""
+    from posttrain.telemetry.devices import ENV_CACHE_DIR
+
+    before = os.environ.get(ENV_CACHE_DIR)
+    os.environ[ENV_CACHE_DIR] = str(tmp_path_factory.mktemp("posttrain-cache"))
+    yield
+    if before is None:
+        os.environ.pop(ENV_CACHE_DIR, None)
+    else:
+        os.environ[ENV_CACHE_DIR] = before
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): on a

@@ -86,6 +86,7 @@ def test_projection_kind_picks_packing_only_for_large_cpu_weights():
     ("llama", "tiny-1m", torch.float32, "mm", 3),
     ("llama", "tiny-1m", torch.float32, "mm", 130),   # 130 · 128 > 16384: the reduction form of the norm
     ("llama", "tiny-4m", torch.float32, "mkl", 3),    # GQA (8 query heads over 4 KV heads)
+    ("llama", "tiny-4m", torch.float32, "dnn", 3),    # what the tuner picks for fp32 on an AMD EPYC
     ("qwen2", "tiny-1m", torch.float32, "mm", 3),     # Q/K/V biases: permuted with their rows
     ("llama", "tiny-1m", torch.bfloat16, "dnn", 3),
     ("llama", "tiny-1m", torch.bfloat16, "dnn", 130),

@@ -13,8 +13,10 @@ Departures from the HF forward (numbered):
    weights without a folded norm are the parameters themselves, no copy). Each decode matmul then
    takes the form measured fastest for its dtype and row count (`projection_kind`): packed MKL or
    oneDNN weights, or a pre-transposed (in, out) copy multiplied with `torch.mm`/`addmm` — MKL's sgemm
-   runs "NN" up to 2× faster than `F.linear`'s "NT" at 8 rows (docs/rollout.md). Prefill uses
-   `F.linear` on the (out, in) copies.
+   runs "NN" up to 2× faster than `F.linear`'s "NT" at 8 rows on an Intel Xeon (docs/rollout.md). The
+   fastest form depends on the CPU (on an AMD EPYC oneDNN wins everywhere, by 2–4×), so for weights that
+   stream from memory it is measured on the machine (`tuning.tuned_kind`); `projection_kind` is the
+   static prior. Prefill uses `F.linear` on the (out, in) copies.
 3. RMSNorm weights are folded into the next matmul: RMSNorm(x)·W = (x·s)(diag(w)·W) with the per-row
    scale s = 1/√(mean x² + ε) — exact in real arithmetic, one rounding of w·W in floating point.
 4. RoPE as one complex multiply: the rows of W_q and W_k are permuted within each head so that
@@ -267,7 +269,8 @@ def compute_dtype(dtype: torch.dtype, device: torch.device, fp32_bytes: int) -> 
 
 
 def projection_kind(dtype: torch.dtype, rows: int, device: torch.device, weight_bytes: int) -> str:
-    """The fastest measured form of a decode-step matmul with `rows` rows (departure 2; docs/rollout.md).
+    """The static choice of a decode-step matmul form for `rows` rows (departure 2; docs/rollout.md),
+    measured on an Intel Xeon (AVX-512, AMX); `tuning.tuned_kind` measures the machine it runs on.
 
     fp32: `mm`, except MKL's packed sgemm for 2–32 rows when the weights are at least `PACK_MIN_BYTES`
     (they stream from memory every step; ~25 % faster than `mm` at 8 rows, equal at 1 and 64 rows;
@@ -377,7 +380,7 @@ class FusedDecoder:
             raise ValueError(f"FusedDecoder cannot run this model: {reason}")
         if matmul != "auto" and matmul not in PROJECTION_KINDS:
             raise ValueError(f"FusedDecoder: matmul={matmul!r}; expected 'auto' or one of {PROJECTION_KINDS}")
-        self.matmul = matmul  # decode-step matmul form; "auto" = projection_kind(dtype, rows, device)
+        self.matmul = matmul  # decode-step matmul form; "auto" = tuning.tuned_kind (measured on this machine)
         self.model = model
         cfg = model.config
         attn = model.model.layers[0].self_attn
@@ -470,7 +473,9 @@ class FusedDecoder:
         """A one-token-per-row step bound to `cache` (rebuild after the cache's rows change)."""
         kind = self.matmul
         if kind == "auto":
-            kind = projection_kind(self.compute_dtype, cache.rows, cache.keys[0].device, self.weights.nbytes)
+            from posttrain.rollout.tuning import tuned_kind  # tuning builds Projections: imported late
+
+            kind = tuned_kind(self.weights, self.compute_dtype, cache.rows, cache.keys[0].device)
         return DecodePlan(self, cache, key_mask, kind)
 
 

@@ -95,8 +95,9 @@ class NativeEngine:
         None = the model's own. Log-probs are then those of the cast model.
     compact_below: compact the batch when live rows ≤ this fraction of running rows (1.0 = as soon as
         one row finishes, 0.0 = never).
-    matmul: form of the fused path's decode matmuls: "auto" (`fused.projection_kind`: packed MKL / oneDNN
-        weights where they were measured faster on a CPU), or one of "mm", "mkl", "dnn", "mv" (tests).
+    matmul: form of the fused path's decode matmuls: "auto" (`tuning.tuned_kind`: on a CPU, the form
+        measured fastest on this machine for weights that stream from memory — once per machine, then
+        cached; else `fused.projection_kind`), or one of "mm", "mkl", "dnn", "mv".
     compute: the dtype the fused path multiplies in: "auto" (`fused.compute_dtype`: fp32 for small
         bf16/fp16 weights on a CPU, holding their rounded values exactly; else the weight dtype) or a dtype.
     Memory: the fused path keeps its own copy of the weights (fused, norm-folded; fp32 weights with nothing

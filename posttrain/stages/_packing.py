@@ -1,4 +1,4 @@
-"""Sequence log-probs of prompt + reply sequences without padding, and with a shared prompt per pair.
+"""Sequence log-probs of prompt + reply sequences without padding, and with a shared prompt per pair or group.
 
 The DPO family needs log π(reply | prompt) of two replies to the same prompt. The naive forward
 (`sequence_logps_padded`) pads 2B sequences to the longest and runs the prompt twice. Two savings,
@@ -13,8 +13,14 @@ each exact up to float rounding (tests/test_pref_packing.py checks both against 
    first token of reply b is predicted from the prompt's last position, not from its left neighbour.
    A pair costs P + A + B tokens instead of 2P + A + B (the prompt is ~40% of a world pair).
 
-Cost notes: attention is dense within a row (≤ row_len² per head), a small price next to the matmuls
-saved at these lengths; the 4-D boolean mask is (R, 1, W, W).
+3. Shared prompt per GRPO group (`shared_prompt_logits`): a group of G completions of one prompt is one
+   row [prompt | c_1 | … | c_G] with the completions in slots of equal width, run through
+   `models.prefix_attention` (each slot attends to the prompt and to itself; only those blocks are
+   computed). A group costs P + G·N tokens instead of G·(P + N).
+
+Cost notes: in 1 and 2 attention is dense within a row (≤ row_len² per head), a small price next to the
+matmuls saved at these lengths; the 4-D boolean mask is (R, 1, W, W). With G slots that price grows as
+G² (measured: no net gain at G = 8), hence the block kernel of 3.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import Tensor
 
 from posttrain.data import EncodedCompletion, collate_sft
 from posttrain.losses import sequence_logprob_mean, sequence_logprob_sum, token_logprobs
+from posttrain.models.prefix_attention import shared_prefix
 
 
 def sequence_logps_padded(model, seqs: list[EncodedCompletion], pad_id: int, *, length_normalized: bool) -> Tensor:
@@ -182,62 +189,55 @@ def pair_logps(model, pairs: list[tuple[EncodedCompletion, EncodedCompletion]], 
 
 
 # ---- GRPO groups: one prompt, G completions -----------------------------------------------------------
-class PackedGroups(NamedTuple):
-    """Groups laid out [prompt | c_1 | … | c_k], one group per row. Shapes: (R, W) unless noted."""
+class GroupRows(NamedTuple):
+    """Groups laid out for `shared_prefix_attention`: one row per group, the prompt once (P columns,
+    left-padded), then `slots` slots of N columns (the completions, right-padded). Shapes: (R, P + slots·N)
+    unless noted."""
 
     input_ids: Tensor
     position_ids: Tensor
-    attention: Tensor  # (R, 1, W, W) bool: True where query q may attend key k
-    row: Tensor        # (B, N): the packed row holding completion token t of sequence b
-    col: Tensor        # (B, N): the column whose logits predict it (0 past the completion's end)
+    key_mask: Tensor   # (R, 1, 1, P + slots·N) bool: a real token
+    row: Tensor        # (B,) the packed row of sequence b
+    slot: Tensor       # (B,) its slot in that row
+    prefix_len: int
+    slots: int
 
 
-def pack_groups(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> PackedGroups:
-    """Consecutive sequences with the same prompt share one copy of it: [prompt | c_1 | … | c_k], each
-    c_j attending to the prompt and to itself (never to c_1 … c_{j−1}), its positions continuing from
-    the prompt, its first token predicted from the prompt's last position — so every completion token
-    sees exactly the context it has in its own sequence. G samples of a P-token prompt cost P + Σ n_j
-    tokens instead of G·P + Σ n_j."""
-    groups: list[list[int]] = []
-    for i, p in enumerate(prompts):
-        if groups and prompts[groups[-1][0]] == p:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    widths = [len(prompts[g[0]]) + sum(len(completions[i]) for i in g) for g in groups]
-    width, n = max(widths), max(1, max(len(c) for c in completions))
-    shape = (len(groups), width)
-    ids = torch.full(shape, pad_id, dtype=torch.long)
-    positions = torch.zeros(shape, dtype=torch.long)
-    owner = torch.full(shape, -2, dtype=torch.long)  # -1: prompt, j ≥ 0: completion j of the row, -2: padding
-    row = torch.zeros((len(prompts), n), dtype=torch.long)
-    col = torch.zeros((len(prompts), n), dtype=torch.long)
-    for r, members in enumerate(groups):
-        p = prompts[members[0]]
-        ids[r, : len(p)], positions[r, : len(p)], owner[r, : len(p)] = torch.tensor(p, dtype=torch.long), torch.arange(len(p)), -1
-        at = len(p)
-        for j, i in enumerate(members):
-            c = completions[i]
-            if c:
-                ids[r, at : at + len(c)] = torch.tensor(c, dtype=torch.long)
-                positions[r, at : at + len(c)] = torch.arange(len(p), len(p) + len(c))
-                owner[r, at : at + len(c)] = j
-                row[i, : len(c)] = r
-                col[i, : len(c)] = torch.tensor([len(p) - 1] + list(range(at, at + len(c) - 1)))
-            at += len(c)
-        positions[r, at:] = torch.arange(width - at)
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    q, k = owner[:, :, None], owner[:, None, :]
-    attention = causal & ((k == -1) & (q >= -1) | (q == k) & (q >= 0))
-    attention |= torch.eye(width, dtype=torch.bool) & (owner == -2)[:, :, None]  # padding attends to itself
-    return PackedGroups(ids, positions, attention[:, None], row, col)
+def group_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, pad_id: int) -> GroupRows:
+    """Consecutive sequences with the same prompt share one copy of it. Input: the padded batch
+    (B, P + N) — left-padded prompt, right-padded completion, positions as the rollout used them — so
+    every completion keeps its positions (continuing from its prompt) and its context. A group smaller
+    than the largest leaves empty slots (all padding: computed, never read)."""
+    p = prompt_len
+    prompts, p_mask = input_ids[:, :p], attention_mask[:, :p]
+    same = (prompts[1:] == prompts[:-1]).all(1) & (p_mask[1:] == p_mask[:-1]).all(1)   # (B - 1,)
+    starts = [0] + (same.logical_not().nonzero()[:, 0] + 1).tolist()
+    sizes = [b - a for a, b in zip(starts, starts[1:] + [len(input_ids)])]
+    g, n, rows = max(sizes), input_ids.shape[1] - p, len(starts)
+    width = p + g * n
+    ids = torch.full((rows, width), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    positions = torch.ones((rows, width), dtype=position_ids.dtype, device=input_ids.device)
+    real = torch.zeros((rows, width), dtype=torch.bool, device=input_ids.device)
+    for r, (a, size) in enumerate(zip(starts, sizes)):
+        for dst, src in ((ids, input_ids), (positions, position_ids), (real, attention_mask)):
+            dst[r, :p] = src[a, :p]
+            dst[r, p : p + size * n] = src[a : a + size, p:].reshape(-1)
+    row = torch.repeat_interleave(torch.arange(rows), torch.tensor(sizes))
+    slot = torch.cat([torch.arange(size) for size in sizes])
+    return GroupRows(ids, positions, real[:, None, None], row.to(input_ids.device), slot.to(input_ids.device), p, g)
 
 
-def shared_prompt_logits(model, prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> Tensor:
-    """Logits predicting every completion token, from one shared-prompt forward per group (`pack_groups`).
-    Shape: (B, N, V), N the longest completion; rows past a completion's end are filler."""
-    device = next(model.parameters()).device
-    pk = PackedGroups(*(t.to(device) for t in pack_groups(prompts, completions, pad_id)))
-    logits = model(input_ids=pk.input_ids, position_ids=pk.position_ids, attention_mask=custom_mask(model, pk.attention),
-                   use_cache=False).logits  # (R, W, V)
-    return logits[pk.row, pk.col]
+def shared_prompt_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int,
+                         pad_id: int) -> Tensor:
+    """Logits predicting every completion token of the padded batch (B, P + N), from one forward per group
+    (`group_rows`, `shared_prefix_attention`). Shape: (B, N, V); rows past a completion's end are filler."""
+    lay = group_rows(input_ids, attention_mask, position_ids, prompt_len, pad_id)
+    n = input_ids.shape[1] - prompt_len
+    with shared_prefix(model):
+        logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids, attention_mask=lay.key_mask,
+                       prefix_len=lay.prefix_len, slots=lay.slots, logits_to_keep=lay.slots * n + 1,
+                       use_cache=False).logits  # (R, slots·N + 1, V): columns P − 1 … W − 1
+    # completion token t of slot j is predicted by column P − 1 (t = 0) or P + j·N + t − 1: kept index j·N + t
+    t = torch.arange(n, device=logits.device)
+    col = torch.where(t == 0, 0, lay.slot[:, None] * n + t)                               # (B, N)
+    return logits[lay.row[:, None], col]

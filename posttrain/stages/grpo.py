@@ -161,15 +161,11 @@ def build_batch(pieces: list[tuple[Rollout, list[int], Tensor]], pad_id: int, *,
 def completion_logits(model: torch.nn.Module, b: GroupBatch, *, share_prompt: bool = False, pad_id: int = 0) -> Tensor:
     """Logits predicting each completion token. Shape: (R, N, V).
 
-    share_prompt: one forward per group of consecutive rows with the same prompt, the prompt once
-    (`_packing.pack_groups`); else the padded (R, P + N) batch."""
+    share_prompt: one row per group of consecutive rows with the same prompt, the prompt once
+    (`_packing.group_rows`, `models.prefix_attention`); else the padded (R, P + N) batch."""
     n = b.mask.shape[1]
     if share_prompt:
-        p_mask, c_mask = b.attention_mask[:, : b.prompt_len], b.attention_mask[:, b.prompt_len :]
-        prompts = [row[m].tolist() for row, m in zip(b.input_ids[:, : b.prompt_len], p_mask)]
-        completions = [row[m].tolist() for row, m in zip(b.input_ids[:, b.prompt_len :], c_mask)]
-        logits = shared_prompt_logits(model, prompts, completions, pad_id)  # (R, N', V), N' ≤ N
-        return torch.nn.functional.pad(logits, (0, 0, 0, n - logits.shape[1]))
+        return shared_prompt_logits(model, b.input_ids, b.attention_mask, b.position_ids, b.prompt_len, pad_id)
     out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
                 logits_to_keep=n + 1)
     return out.logits[:, :-1]

@@ -1,0 +1,140 @@
+"""Which decode-matmul form is fastest on this machine: measured once per machine, then remembered.
+
+The fused decode step multiplies every layer's weights by a few rows of activations. Which GEMM does
+that fastest depends on the CPU, not only on the dtype and the row count: on the Intel Xeon this
+engine was first tuned on, MKL's packed sgemm won for fp32 at 2–32 rows and `torch.mv` for one bf16
+row; on an AMD EPYC (Zen 4) both run at a third of oneDNN's packed GEMM (tiny-30m weights streaming
+from memory, 2 threads: fp32 8 rows 724 µs `mm` / 761 µs MKL packed / 279 µs oneDNN per
+2816 × 512 weight; bf16 one row 346 µs `mv` / 85 µs oneDNN). MKL picks slow code paths on non-Intel
+CPUs. So `tuned_kind` times the candidate forms (`fused.PROJECTION_KINDS` this torch build and dtype
+support) on the model's own fused weights — one pass over every layer, as a decode step does, best of
+a few — and keeps the fastest unless the static choice (`fused.projection_kind`) is within 5% of it.
+
+The choice is remembered per process and on disk (`$POSTTRAIN_CACHE_DIR` or ~/.cache/posttrain,
+`matmul-<host>.json`), keyed by CPU, torch version, thread count, dtype, row bucket (the next power of
+two) and weight shapes: every later run on this machine makes the same choice, so its round-off — and
+with it a resumed run's samples — does not depend on one noisy measurement. A measurement costs one
+packing of the weights per candidate and a few passes (~0.1–1 s, once). Cache-resident weights (under
+`fused.PACK_MIN_BYTES`) and non-CPU devices keep the static choice; `POSTTRAIN_MATMUL_TUNE=0` turns
+measuring off everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from posttrain.rollout.fused import (
+    _HAS_DNN_PACK,
+    _HAS_MKL_PACK,
+    PACK_MIN_BYTES,
+    FusedWeights,
+    Projection,
+    projection_kind,
+)
+from posttrain.telemetry.devices import ENV_CACHE_DIR, cpu_name
+
+ENV_TUNE = "POSTTRAIN_MATMUL_TUNE"
+MARGIN = 0.05  # another form must beat the static choice by this much to replace it
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_memo: dict[str, str] = {}
+
+
+def rows_bucket(rows: int) -> int:
+    """The row count a choice is measured at and shared by: the next power of two (≤ 256)."""
+    return next((b for b in BUCKETS if b >= rows), BUCKETS[-1])
+
+
+def candidates(dtype: torch.dtype, rows: int) -> list[str]:
+    """The forms this torch build can run for `dtype` weights and `rows` rows."""
+    kinds = ["mm"]
+    if dtype == torch.float32 and _HAS_MKL_PACK:
+        kinds.append("mkl")
+    if dtype in (torch.float32, torch.bfloat16) and _HAS_DNN_PACK:
+        kinds.append("dnn")
+    if rows == 1:
+        kinds.append("mv")
+    return kinds
+
+
+def cache_file() -> Path:
+    base = Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "posttrain")
+    return base / f"matmul-{socket.gethostname()}.json"
+
+
+def _key(weights: FusedWeights, dtype: torch.dtype, bucket: int) -> str:
+    lw = weights.layers[0]
+    shapes = "/".join("x".join(map(str, t.shape)) for t in (lw.wqkv, lw.wo, lw.wgu, lw.wd))
+    return (f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {dtype} | "
+            f"{bucket} rows | {len(weights.layers)} × {shapes}")
+
+
+def _read_cache() -> dict[str, dict]:
+    try:
+        obj = json.loads(cache_file().read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _write_cache(key: str, entry: dict) -> None:
+    """Add one choice to the cache file (written whole to a temporary file, then renamed)."""
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cache = _read_cache()
+        cache[key] = entry
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home: the choice still holds for this process
+
+
+def measure(weights: FusedWeights, kinds: list[str], rows: int, reps: int = 3) -> dict[str, float]:
+    """Seconds of one pass of every layer's four decode matmuls in each form (best of `reps`, after a warm-up)."""
+    g = torch.Generator().manual_seed(0)
+    seconds: dict[str, float] = {}
+    for kind in kinds:
+        projections = [Projection(w, b, kind, rows) for lw in weights.layers
+                       for w, b in ((lw.wqkv, lw.bqkv), (lw.wo, lw.bo), (lw.wgu, None), (lw.wd, None))]
+        xs = [torch.randn(rows, p.w.shape[0] if kind == "mm" else p.w.shape[1], generator=g).to(p.w.dtype)
+              for p in projections]
+        best = math.inf
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            for p, x in zip(projections, xs):
+                p(x)
+            best = min(best, time.perf_counter() - t0)  # the first pass packs caches and warms: min drops it
+        seconds[kind] = best
+        del projections
+    return seconds
+
+
+def tuned_kind(weights: FusedWeights, dtype: torch.dtype, rows: int, device: torch.device) -> str:
+    """The decode-matmul form for `rows` rows of these weights: measured (once per machine) on a CPU for
+    weights that stream from memory; else `projection_kind`'s static choice."""
+    static = projection_kind(dtype, rows, device, weights.nbytes)
+    if device.type != "cpu" or weights.nbytes < PACK_MIN_BYTES or os.environ.get(ENV_TUNE) == "0":
+        return static
+    bucket = rows_bucket(rows)
+    if len(candidates(dtype, bucket)) == 1:
+        return static
+    key = _key(weights, dtype, bucket)
+    if key in _memo:
+        return _memo[key]
+    entry = _read_cache().get(key)
+    kind = entry.get("kind") if isinstance(entry, dict) else None
+    if kind not in candidates(dtype, bucket):
+        seconds = measure(weights, candidates(dtype, bucket), bucket)
+        fastest = min(seconds, key=seconds.get)
+        kind = static if seconds.get(static, math.inf) <= seconds[fastest] * (1 + MARGIN) else fastest
+        _write_cache(key, {"kind": kind, "static": static, "us_per_pass": {k: round(v * 1e6) for k, v in seconds.items()}})
+    _memo[key] = kind
+    return kind

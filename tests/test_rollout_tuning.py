@@ -1,0 +1,79 @@
+"""The decode-matmul tuner: measures once, keeps the static choice unless beaten by the margin, remembers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from posttrain.models import build_tiny
+from posttrain.rollout import tuning
+from posttrain.rollout.fused import FusedWeights, projection_kind
+from posttrain.telemetry.devices import ENV_CACHE_DIR
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def weights(monkeypatch, tmp_path):
+    """tiny-4m's fused fp32 weights, reported as large (so they count as streaming from memory); an
+    empty cache folder and memo."""
+    monkeypatch.setenv(ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(tuning.ENV_TUNE, raising=False)
+    monkeypatch.setattr(tuning, "_memo", {})
+    w = FusedWeights(build_tiny("tiny-4m", vocab_size=300, seed=0))
+    w.refresh()
+    w.nbytes = 100 << 20
+    return w
+
+
+def fake_measure(seconds: dict[str, float], calls: list):
+    def measure(weights, kinds, rows, reps=3):
+        calls.append((tuple(kinds), rows))
+        return {k: seconds.get(k, 1.0) for k in kinds}
+    return measure
+
+
+def test_fastest_form_wins_and_is_remembered_on_disk(weights, monkeypatch, tmp_path):
+    calls: list = []
+    monkeypatch.setattr(tuning, "measure", fake_measure({"mm": 3.0, "mkl": 2.0, "dnn": 1.0}, calls))
+    assert tuning.tuned_kind(weights, torch.float32, 5, CPU) == "dnn"
+    assert calls == [(tuple(tuning.candidates(torch.float32, 8)), 8)]      # measured at the bucket: 5 → 8 rows
+    assert tuning.tuned_kind(weights, torch.float32, 7, CPU) == "dnn"      # same bucket: the process memo
+    monkeypatch.setattr(tuning, "_memo", {})                              # a new process: the file answers
+    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == "dnn"
+    assert len(calls) == 1
+    (entry,) = json.loads(tuning.cache_file().read_text()).values()
+    assert entry["kind"] == "dnn" and entry["us_per_pass"]["mm"] == 3_000_000
+
+
+def test_static_choice_kept_within_the_margin(weights, monkeypatch):
+    static = projection_kind(torch.float32, 8, CPU, weights.nbytes)
+    # the static form at 1.04 s, another at 1.00 s: 4% < 5%, not worth a change of round-off
+    monkeypatch.setattr(tuning, "measure", fake_measure({"dnn": 1.0, "mm": 1.0, "mkl": 1.0} | {static: 1.04}, []))
+    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == static
+
+
+def test_no_measurement_for_cached_weights_other_devices_or_when_off(weights, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("measured")
+    monkeypatch.setattr(tuning, "measure", refuse)
+    big = weights.nbytes
+    weights.nbytes = 1 << 20                                               # cache-resident: the static `mm`
+    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == projection_kind(torch.float32, 8, CPU, weights.nbytes)
+    weights.nbytes = big
+    assert tuning.tuned_kind(weights, torch.float32, 8, torch.device("meta")) == "mm"
+    monkeypatch.setenv(tuning.ENV_TUNE, "0")
+    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == projection_kind(torch.float32, 8, CPU, big)
+
+
+def test_measure_times_every_candidate_on_the_real_weights(weights):
+    kinds = tuning.candidates(torch.float32, 1)
+    assert "mm" in kinds and "mv" in kinds
+    seconds = tuning.measure(weights, kinds, rows=1, reps=1)
+    assert set(seconds) == set(kinds) and all(0 < s < 5 for s in seconds.values())
+
+
+def test_rows_bucket():
+    assert [tuning.rows_bucket(r) for r in (1, 2, 3, 8, 9, 64, 65, 1000)] == [1, 2, 4, 8, 16, 64, 128, 256]
