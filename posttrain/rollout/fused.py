@@ -473,7 +473,7 @@ class FusedDecoder:
         """A one-token-per-row step bound to `cache` (rebuild after the cache's rows change)."""
         kind = self.matmul
         if kind == "auto":
-            from posttrain.rollout.tuning import tuned_kind  # tuning builds Projections: imported late
+            from posttrain.rollout.tuning import tuned_kind  # tuning imports this module: imported here
 
             kind = tuned_kind(self.weights, self.compute_dtype, cache.rows, cache.keys[0].device)
         return DecodePlan(self, cache, key_mask, kind)

@@ -38,7 +38,7 @@ from posttrain.rollout.fused import (
     Projection,
     projection_kind,
 )
-from posttrain.telemetry.devices import ENV_CACHE_DIR, cpu_name
+from posttrain.telemetry.devices import cache_dir, cpu_name
 
 ENV_TUNE = "POSTTRAIN_MATMUL_TUNE"
 MARGIN = 0.05  # another form must beat the static choice by this much to replace it
@@ -64,8 +64,7 @@ def candidates(dtype: torch.dtype, rows: int) -> list[str]:
 
 
 def cache_file() -> Path:
-    base = Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "posttrain")
-    return base / f"matmul-{socket.gethostname()}.json"
+    return cache_dir() / f"matmul-{socket.gethostname()}.json"
 
 
 def _key(weights: FusedWeights, dtype: torch.dtype, bucket: int) -> str:
@@ -124,15 +123,16 @@ def tuned_kind(weights: FusedWeights, dtype: torch.dtype, rows: int, device: tor
     if device.type != "cpu" or weights.nbytes < PACK_MIN_BYTES or os.environ.get(ENV_TUNE) == "0":
         return static
     bucket = rows_bucket(rows)
-    if len(candidates(dtype, bucket)) == 1:
+    kinds = candidates(dtype, bucket)
+    if len(kinds) == 1:
         return static
     key = _key(weights, dtype, bucket)
     if key in _memo:
         return _memo[key]
     entry = _read_cache().get(key)
     kind = entry.get("kind") if isinstance(entry, dict) else None
-    if kind not in candidates(dtype, bucket):
-        seconds = measure(weights, candidates(dtype, bucket), bucket)
+    if kind not in kinds:
+        seconds = measure(weights, kinds, bucket)
         fastest = min(seconds, key=seconds.get)
         kind = static if seconds.get(static, math.inf) <= seconds[fastest] * (1 + MARGIN) else fastest
         _write_cache(key, {"kind": kind, "static": static, "us_per_pass": {k: round(v * 1e6) for k, v in seconds.items()}})

@@ -214,9 +214,13 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def cache_dir() -> Path:
+    """Where per-machine measurements live: `$POSTTRAIN_CACHE_DIR` or ~/.cache/posttrain."""
+    return Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "posttrain")
+
+
 def cache_path() -> Path:
-    base = Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "posttrain")
-    return base / f"roofline-{socket.gethostname()}.json"
+    return cache_dir() / f"roofline-{socket.gethostname()}.json"
 
 
 def load_cpu_peaks() -> Peaks | None:
