@@ -230,14 +230,19 @@ def group_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, 
 def shared_prompt_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int,
                          pad_id: int) -> Tensor:
     """Logits predicting every completion token of the padded batch (B, P + N), from one forward per group
-    (`group_rows`, `shared_prefix_attention`). Shape: (B, N, V); rows past a completion's end are filler."""
-    lay = group_rows(input_ids, attention_mask, position_ids, prompt_len, pad_id)
+    (`group_rows`, `shared_prefix_attention`). Shape: (B, N, V); rows past a completion's end are filler.
+
+    The last completion column is not an input: it predicts nothing and only it would attend to itself,
+    so each slot holds N − 1 tokens (exact; 1/N fewer slot tokens through every matmul)."""
     n = input_ids.shape[1] - prompt_len
+    w = n - 1 if n > 1 else n                                                             # slot width
+    cut = slice(None, prompt_len + w)
+    lay = group_rows(input_ids[:, cut], attention_mask[:, cut], position_ids[:, cut], prompt_len, pad_id)
     with shared_prefix(model):
         logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids, attention_mask=lay.key_mask,
-                       prefix_len=lay.prefix_len, slots=lay.slots, logits_to_keep=lay.slots * n + 1,
-                       use_cache=False).logits  # (R, slots·N + 1, V): columns P − 1 … W − 1
-    # completion token t of slot j is predicted by column P − 1 (t = 0) or P + j·N + t − 1: kept index j·N + t
+                       prefix_len=lay.prefix_len, slots=lay.slots, logits_to_keep=lay.slots * w + 1,
+                       use_cache=False).logits  # (R, slots·w + 1, V): columns P − 1 … W − 1
+    # completion token t of slot j is predicted by column P − 1 (t = 0) or P + j·w + t − 1: kept index j·w + t
     t = torch.arange(n, device=logits.device)
-    col = torch.where(t == 0, 0, lay.slot[:, None] * n + t)                               # (B, N)
+    col = torch.where(t == 0, 0, lay.slot[:, None] * w + t)                               # (B, N)
     return logits[lay.row[:, None], col]

@@ -162,13 +162,14 @@ def completion_logits(model: torch.nn.Module, b: GroupBatch, *, share_prompt: bo
     """Logits predicting each completion token. Shape: (R, N, V).
 
     share_prompt: one row per group of consecutive rows with the same prompt, the prompt once
-    (`_packing.group_rows`, `models.prefix_attention`); else the padded (R, P + N) batch."""
+    (`_packing.group_rows`, `models.prefix_attention`); else the padded batch without its last column
+    (the last token predicts nothing and nothing attends to it)."""
     n = b.mask.shape[1]
     if share_prompt:
         return shared_prompt_logits(model, b.input_ids, b.attention_mask, b.position_ids, b.prompt_len, pad_id)
-    out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                logits_to_keep=n + 1)
-    return out.logits[:, :-1]
+    out = model(input_ids=b.input_ids[:, :-1], attention_mask=b.attention_mask[:, :-1],
+                position_ids=b.position_ids[:, :-1], logits_to_keep=n)
+    return out.logits
 
 
 @dataclass

@@ -88,16 +88,18 @@ def load_prompts(ctx: RunContext, cfg: PPOStage) -> list[dict]:
 
 
 def completion_logits(model, r: Rollout) -> Tensor:
-    """Logits predicting each completion token. Shape: (R, N, V)."""
+    """Logits predicting each completion token. Shape: (R, N, V). The last token is not an input: it
+    predicts nothing and nothing attends to it."""
     n = r.completion_ids.shape[1]
-    out = model(input_ids=r.sequence_ids, attention_mask=r.sequence_mask, position_ids=r.position_ids, logits_to_keep=n + 1)
-    return out.logits[:, :-1]
+    out = model(input_ids=r.sequence_ids[:, :-1], attention_mask=r.sequence_mask[:, :-1],
+                position_ids=r.position_ids[:, :-1], logits_to_keep=n)
+    return out.logits
 
 
 def completion_values(critic, r: Rollout) -> Tensor:
     """V(s_t) for each completion token t: the critic at the position that predicts it. Shape: (R, N)."""
     p = r.prompt_ids.shape[1]
-    return token_scores(critic, r.sequence_ids, r.sequence_mask, r.position_ids)[:, p - 1 : -1]
+    return token_scores(critic, r.sequence_ids[:, :-1], r.sequence_mask[:, :-1], r.position_ids[:, :-1])[:, p - 1 :]
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
