@@ -111,3 +111,28 @@ def test_fused_adamw_by_model_size():
     assert not build_optimizer(small, OptimConfig()).defaults["fused"]
     assert build_optimizer(small, OptimConfig(fused=True)).defaults["fused"]
     assert not build_optimizer(big, OptimConfig(fused=False)).defaults["fused"]
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e3])  # under and over the limit
+def test_optimizer_step_clips_exactly_as_clip_grad_norm(scale):
+    """The gradients reach the optimizer bitwise as `clip_grad_norm_` leaves them, scaled only over the limit."""
+    from types import SimpleNamespace
+
+    from posttrain.pipeline.config import OptimConfig
+    from posttrain.stages._training import Trainer, optimizer_step
+
+    torch.manual_seed(0)
+    ref, model = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+    model.load_state_dict(ref.state_dict())
+    for a, b in zip(ref.parameters(), model.parameters()):
+        a.grad = torch.randn_like(a) * scale
+        b.grad = a.grad.clone()
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+    seen: list[torch.Tensor] = []
+    optimizer = SimpleNamespace(step=lambda: seen.extend(p.grad.clone() for p in model.parameters()),
+                                zero_grad=lambda set_to_none: None)
+    t = Trainer(model, optimizer, SimpleNamespace(step=lambda: None), step=0, data_state=None)
+    assert optimizer_step(t, OptimConfig(lr=1e-3, grad_clip=1.0)) == pytest.approx(expected_norm, rel=1e-6)
+    assert all(torch.equal(a.grad, g) for a, g in zip(ref.parameters(), seen))
+    assert (expected_norm > 1.0) == (scale > 1)  # both branches are exercised
+    assert t.step == 1

@@ -101,8 +101,14 @@ def save(ctx: RunContext, cfg: TrainStage, t: Trainer, *, data_state: dict[str, 
 
 
 def optimizer_step(t: Trainer, cfg: OptimConfig) -> float:
-    """Clip, step, schedule, zero. Returns the pre-clip gradient norm (a device sync point)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), cfg.grad_clip)
+    """Clip, step, schedule, zero. Returns the pre-clip gradient norm (a device sync point).
+
+    The gradients are scaled only when the norm exceeds the limit (`clip_grad_norm_` multiplies every
+    gradient by 1.0 otherwise: exact, but a pass over all of them)."""
+    params = [p for p in t.model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if float(grad_norm) > cfg.grad_clip:
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)  # scales each p.grad
     t.optimizer.step()
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
