@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from posttrain.rollout.sampling import (
-    GumbelNoise,
     SamplingParams,
-    draw_noise,
+    draw_uniforms,
     process_logits,
     sample,
     sample_into,
@@ -26,7 +25,7 @@ CHI2_CRIT_DF1 = 10.828  # 1 degree of freedom, α = 0.001
 def draw(params: SamplingParams, seed: int = 0, logits: torch.Tensor = LOGITS) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     rows = logits.expand(N, -1).clone()
-    return sample(rows, params, None if params.greedy else draw_noise(N, logits.numel(), gen, rows.device))
+    return sample(rows, params, None if params.greedy else draw_uniforms(1, N, gen, rows.device)[0])
 
 
 def chi2(tokens: torch.Tensor, expected_p: torch.Tensor) -> float:
@@ -133,12 +132,12 @@ def test_process_logits_matches_the_naive_row_loop(params):
         assert torch.allclose(fast[r][kept], naive[kept], atol=1e-5)
 
 
-def test_seeded_noise_is_reproducible_and_seed_dependent():
-    a = draw_noise(3, 7, torch.Generator().manual_seed(5), torch.device("cpu"))
-    b = draw_noise(3, 7, torch.Generator().manual_seed(5), torch.device("cpu"))
-    c = draw_noise(3, 7, torch.Generator().manual_seed(6), torch.device("cpu"))
-    assert torch.equal(a, b) and not torch.equal(a, c)
-    assert torch.isfinite(a).all()
+def test_seeded_uniforms_are_reproducible_and_seed_dependent():
+    a = draw_uniforms(3, 7, torch.Generator().manual_seed(5), torch.device("cpu"))
+    b = draw_uniforms(3, 7, torch.Generator().manual_seed(5), torch.device("cpu"))
+    c = draw_uniforms(3, 7, torch.Generator().manual_seed(6), torch.device("cpu"))
+    assert a.shape == (3, 7) and torch.equal(a, b) and not torch.equal(a, c)
+    assert ((a >= 0) & (a < 1)).all()
 
 
 @pytest.mark.parametrize("params", [
@@ -149,35 +148,51 @@ def test_seeded_noise_is_reproducible_and_seed_dependent():
 def test_sample_into_is_the_same_draw_as_sample(params):
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(9, 40, generator=g) * 2
-    noise = draw_noise(9, 40, g, torch.device("cpu"))
-    want = sample(logits, params, noise)
+    u = draw_uniforms(1, 9, g, torch.device("cpu"))[0]
+    want = sample(logits, params, u)
     tokens, lp, plp = torch.empty(9, dtype=torch.long), torch.empty(9), torch.empty(9)
-    sample_into(logits, params, noise.clone(), tokens, lp, plp)
-    assert torch.equal(tokens, want[0])                               # same noise → same argmax
+    sample_into(logits, params, u, tokens, lp, plp)
+    assert torch.equal(tokens, want[0])                               # binary search = count
     assert torch.equal(lp, want[1]) and torch.equal(plp, want[2])
     with pytest.raises(ValueError, match="greedy"):
-        sample_into(logits, SamplingParams(temperature=0), noise, tokens, lp, plp)
+        sample_into(logits, SamplingParams(temperature=0), u, tokens, lp, plp)
 
 
-def test_chunked_noise_is_per_step_noise_of_the_same_law():
-    # 6 steps of (2, 3) in chunks of 4 steps (4·2·3 = 24 ≤ max_elements = 25 < 30): two draws, 4 + 2 steps
-    stream = GumbelNoise(2, 3, 6, torch.Generator().manual_seed(0), torch.device("cpu"), max_elements=25)
-    assert stream.chunk == 4
-    steps = [stream.next() for _ in range(6)]
-    assert all(s.shape == (2, 3) for s in steps)
-    assert len({s.data_ptr() for s in steps[:4]}) == 4                 # distinct rows of one chunk, never reused
-    with pytest.raises(RuntimeError, match="all steps drawn"):
-        stream.next()
-    again = GumbelNoise(2, 3, 6, torch.Generator().manual_seed(0), torch.device("cpu"), max_elements=25)
-    assert all(torch.equal(a, again.next()) for a in steps)           # seeded: reproducible
-    # law: 10k·4 standard Gumbel draws; mean = Euler–Mascheroni γ = 0.5772, var = π²/6 = 1.6449;
-    # per 40k draws, standard errors √(1.645/40000) = 0.0064 and √((μ₄ − σ⁴)/n) with μ₄ = (3 + 12/5)σ⁴:
-    # √(4.4·2.706/40000) = 0.017; here n = 120k (÷√3) → 5σ bands
-    big = GumbelNoise(10_000, 4, 3, torch.Generator().manual_seed(1), torch.device("cpu"), max_elements=40_000)
-    x = torch.stack([big.next() for _ in range(3)])                  # chunk = 1 step: 3 separate draws
-    assert big.chunk == 1
-    assert abs(float(x.mean()) - 0.5772) < 5 * 0.0064 / 3 ** 0.5
-    assert abs(float(x.var()) - math.pi ** 2 / 6) < 5 * 0.017 / 3 ** 0.5
+def test_inversion_picks_the_token_whose_interval_holds_u():
+    """q = [.1, .2, .3, .4]: cumulative [.1, .3, .6, 1]; U in [.3, .6) is token 2, and so on."""
+    u = torch.tensor([0.0, 0.0999, 0.1001, 0.2999, 0.3001, 0.5999, 0.6001, 0.9999])
+    tokens, _, _ = sample(LOGITS.expand(8, -1), SamplingParams(temperature=1.0), u)
+    assert tokens.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_zero_probability_tokens_are_never_drawn_even_at_the_interval_ends():
+    """Filtered tokens (−inf) at the start, the middle and the end of the vocabulary: U = 0 and the
+    largest float below 1 must still land on a kept token (the target stays below the total)."""
+    logits = torch.tensor([[float("-inf"), 0.0, float("-inf"), 0.5, float("-inf")]]).expand(3, -1)
+    u = torch.tensor([0.0, 0.5, 1.0 - 2 ** -24])
+    for fn in ("sample", "sample_into"):
+        if fn == "sample":
+            tokens = sample(logits, SamplingParams(temperature=1.0), u)[0]
+        else:
+            tokens = torch.empty(3, dtype=torch.long)
+            sample_into(logits, SamplingParams(temperature=1.0), u, tokens, torch.empty(3), torch.empty(3))
+        assert set(tokens.tolist()) <= {1, 3}, fn
+        assert tokens[0] == 1 and tokens[2] == 3, fn
+
+
+def test_inversion_is_exact_on_a_large_vocabulary():
+    """152k tokens: the drawn token's cumulative interval holds U · total in float64 arithmetic too
+    (the float32 sums are accurate to ~1e-7, far below any token's share that matters)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 151_936, generator=g) * 3
+    u = draw_uniforms(1, 4, g, torch.device("cpu"))[0]
+    tokens, lp, _ = sample(logits, SamplingParams(temperature=1.0), u)
+    p = logits.double().softmax(-1)
+    cdf = p.cumsum(-1)
+    for r, t in enumerate(tokens.tolist()):
+        lo = float(cdf[r, t - 1]) if t else 0.0
+        assert lo - 1e-6 <= float(u[r]) <= float(cdf[r, t]) + 1e-6
+    assert torch.allclose(lp.double(), p.log().gather(1, tokens[:, None])[:, 0], atol=1e-5)
 
 
 @pytest.mark.parametrize("field, value", [

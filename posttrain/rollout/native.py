@@ -12,8 +12,9 @@ Departures from `transformers` `generate` (numbered):
 3. Finished rows stop costing work: once at most `compact_below` of the running rows are still
    live, the batch (cache, masks, positions) is compacted to the live rows.
 4. Sampling is one pure function on fp32 logits (`sampling.sample`; its buffer-writing twin
-   `sample_into` on the hot path), no logits-processor objects. Its Gumbel noise is drawn for all rows
-   every step (several steps per draw, `GumbelNoise`), so compaction never changes a sample.
+   `sample_into` on the hot path), no logits-processor objects. It draws by inversion, one uniform per
+   row per step, drawn for all rows of all steps up front (`draw_uniforms`), so compaction never
+   changes a sample.
 5. Llama-family models run through `FusedDecoder` (fused weight copies in their fastest decode form, complex
    RoPE, fp32 attention over the cache, one pre-allocated `DecodePlan` per batch shape; see
    `fused.py`); any other HF causal LM runs its own forward (`HFForward`) on the same cache.
@@ -35,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 from posttrain.rollout.fused import FusedDecoder, fused_unsupported_reason
 from posttrain.rollout.kv_cache import KVCache
 from posttrain.rollout.output import Rollout, assemble
-from posttrain.rollout.sampling import GumbelNoise, SamplingParams, sample, sample_into
+from posttrain.rollout.sampling import SamplingParams, draw_uniforms, sample, sample_into
 from posttrain.rollout.text import (
     StopStrings,
     encode_prompts,
@@ -187,7 +188,6 @@ class NativeEngine:
         logits = self.step(prompt_ids, positions_from_mask(prompt_mask), cache, prompt_mask)  # (B, V)
         if n > 1:
             logits = logits.repeat_interleave(n, 0)                              # (R, V)
-        vocab = logits.shape[-1]
 
         # Step-major outputs: step t's tokens are one contiguous row the sampler writes into.
         tokens = torch.full((budget, rows), self.pad_id, dtype=torch.long, device=device)
@@ -200,8 +200,8 @@ class NativeEngine:
         active = torch.arange(rows, device=device)   # original row of each running row
         live = torch.ones(rows, dtype=torch.bool, device=device)  # running rows not yet finished
         completions: list[list[int]] = [[] for _ in range(rows)] if stops.stops else []
-        # Noise for every original row every step: samples do not depend on compaction.
-        noise = None if params.greedy else GumbelNoise(rows, vocab, budget, gen, device)
+        # A uniform for every original row every step: samples do not depend on compaction.
+        uniforms = None if params.greedy else draw_uniforms(budget, rows, gen, device)   # (N, R)
         scratch = (torch.empty(rows, dtype=torch.long, device=device),
                    torch.empty(rows, dtype=torch.float32, device=device),
                    torch.empty(rows, dtype=torch.float32, device=device))
@@ -214,8 +214,7 @@ class NativeEngine:
                 tok, lp, plp = sample(logits, params, None)
             else:
                 tok, lp, plp = (tokens[t], logprobs[t], policy[t]) if full else (s[:r] for s in scratch)
-                step_noise = noise.next()
-                sample_into(logits, params, step_noise if full else step_noise[active], tok, lp, plp)
+                sample_into(logits, params, uniforms[t] if full else uniforms[t][active], tok, lp, plp)
             if not full or params.greedy:
                 tokens[t].index_copy_(0, active, tok)
                 logprobs[t].index_copy_(0, active, lp)
