@@ -10,7 +10,7 @@ one left.
 Departures (numbered):
 1. No logits-processor objects: `process_logits` is one pure function over fp32 logits.
 2. Sampling is by inversion (the inverse-transform method): one uniform U per row, and the token is
-   the first i whose cumulative probability exceeds U times the total — token i is drawn with
+   the first i whose cumulative (unnormalised) probability exceeds U times the total — token i is drawn with
    probability q_i up to the float32 rounding of the cumulative sums (on a CPU `cumsum` accumulates in
    float64: ≤ 6e-8 absolute at a 152k vocabulary; on other devices the sums run in float64). A token
    whose probability is 0 — filtered, −inf — is never drawn. One random number per row per step,
@@ -103,13 +103,14 @@ def draw_uniforms(steps: int, rows: int, generator: torch.Generator | None, devi
     return torch.rand(steps, rows, dtype=torch.float32, device=device, generator=generator)
 
 
-def _cumulative(logq: Tensor) -> Tensor:
-    """Cumulative sums of exp(logq) over the vocabulary (departure 2), float32 on a CPU (its `cumsum`
-    accumulates in float64), float64 elsewhere. Shape: (rows, vocab)."""
-    probs = logq.exp()
-    if probs.device.type == "cpu":
-        return probs.cumsum_(-1)
-    return probs.cumsum(-1, dtype=torch.float64)
+def _cumulative(z: Tensor) -> tuple[Tensor, Tensor]:
+    """Unnormalised cumulative sums of exp(z − max z) over the vocabulary (departure 2), float32 on a CPU
+    (its `cumsum` accumulates in float64), float64 elsewhere; and the row max. The last column is the
+    softmax denominator, so log q_i = z_i − max − log(total) needs no log-softmax of the whole row.
+    Shapes: z (rows, vocab) fp32 → (rows, vocab), (rows, 1)."""
+    top = z.amax(-1, keepdim=True)
+    e = torch.sub(z, top).exp_()
+    return (e.cumsum_(-1) if e.device.type == "cpu" else e.cumsum(-1, dtype=torch.float64)), top
 
 
 def _targets(cdf: Tensor, u: Tensor) -> Tensor:
@@ -123,22 +124,24 @@ def sample_into(logits: Tensor, params: SamplingParams, u: Tensor, tokens: Tenso
                 policy_logprobs: Tensor) -> None:
     """`sample` for temperature > 0, written into the given (rows,) buffers.
 
-    The same draw as `sample(logits, params, u)` (tested), with a binary search instead of a count and no
-    allocation of the outputs: the decode loop's hot path. Shapes: logits (rows, vocab) fp32; u (rows,)
-    uniforms in [0, 1); tokens (rows,) long; logprobs/policy_logprobs (rows,) fp32.
+    The same draw as `sample(logits, params, u)` (tested), with a binary search instead of a count, the
+    log-probs of the drawn tokens only (no log-softmax of whole rows) and no allocation of the outputs:
+    the decode loop's hot path. Shapes: logits (rows, vocab) fp32; u (rows,) uniforms in [0, 1);
+    tokens (rows,) long; logprobs/policy_logprobs (rows,) fp32.
     """
     if params.greedy:
         raise ValueError("sample_into: greedy draws nothing; use sample")
-    policy = logits.float().log_softmax(-1)                                  # (rows, vocab)
-    logq = policy if params.is_identity else process_logits(logits.float(), params).log_softmax(-1)
-    cdf = _cumulative(logq)
+    logits = logits.float()
+    z = logits if params.is_identity else process_logits(logits, params)
+    cdf, top = _cumulative(z)
     torch.searchsorted(cdf, _targets(cdf, u), right=True, out=tokens[:, None])  # first cdf > U · total
     picked = tokens[:, None]
-    torch.gather(logq, 1, picked, out=logprobs[:, None])
-    if logq is policy:
+    log_norm = cdf[:, -1:].log().to(z.dtype).add_(top)                        # (rows, 1) logsumexp z
+    torch.sub(z.gather(1, picked), log_norm, out=logprobs[:, None])
+    if z is logits:
         policy_logprobs.copy_(logprobs)
     else:
-        torch.gather(policy, 1, picked, out=policy_logprobs[:, None])
+        torch.sub(logits.gather(1, picked), torch.logsumexp(logits, -1, keepdim=True), out=policy_logprobs[:, None])
 
 
 def sample(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -155,8 +158,9 @@ def sample(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tuple[Te
         return tokens, torch.zeros_like(tokens, dtype=torch.float32), policy.gather(-1, tokens[:, None])[:, 0]
     if u is None:
         raise ValueError("sample: u is required when temperature > 0 (see draw_uniforms)")
-    logq = policy if params.is_identity else process_logits(logits, params).log_softmax(-1)
-    cdf = _cumulative(logq)
+    z = logits if params.is_identity else process_logits(logits, params)
+    logq = z.log_softmax(-1)
+    cdf, _ = _cumulative(z)
     tokens = (cdf <= _targets(cdf, u)).sum(-1)                              # inversion
     picked = tokens[:, None]
     return tokens, logq.gather(-1, picked)[:, 0], policy.gather(-1, picked)[:, 0]
