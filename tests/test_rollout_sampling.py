@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from posttrain.rollout.sampling import (
+    SMALL_ROWS,
     SamplingParams,
     draw_uniforms,
     process_logits,
@@ -153,8 +154,7 @@ def test_sample_into_is_the_same_draw_as_sample(params):
     tokens, lp, plp = torch.empty(9, dtype=torch.long), torch.empty(9), torch.empty(9)
     sample_into(logits, params, u, tokens, lp, plp)
     assert torch.equal(tokens, want[0])                               # binary search = count
-    # log q of the drawn token from the row's max and the cumulative total = the log-softmax's
-    assert torch.allclose(lp, want[1], atol=1e-6, rtol=0) and torch.allclose(plp, want[2], atol=1e-6, rtol=0)
+    assert torch.equal(lp, want[1]) and torch.equal(plp, want[2])
     with pytest.raises(ValueError, match="greedy"):
         sample_into(logits, SamplingParams(temperature=0), u, tokens, lp, plp)
 
@@ -194,6 +194,12 @@ def test_inversion_is_exact_on_a_large_vocabulary():
         lo = float(cdf[r, t - 1]) if t else 0.0
         assert lo - 1e-6 <= float(u[r]) <= float(cdf[r, t]) + 1e-6
     assert torch.allclose(lp.double(), p.log().gather(1, tokens[:, None])[:, 0], atol=1e-5)
+    # the hot path's large-row form (exp(z − max), log-prob from the total) draws the same tokens
+    assert logits.numel() > SMALL_ROWS
+    got, glp, gplp = torch.empty(4, dtype=torch.long), torch.empty(4), torch.empty(4)
+    sample_into(logits, SamplingParams(temperature=1.0), u, got, glp, gplp)
+    assert torch.equal(got, tokens)
+    assert torch.allclose(glp, lp, atol=1e-5) and torch.equal(glp, gplp)
 
 
 @pytest.mark.parametrize("field, value", [

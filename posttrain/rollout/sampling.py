@@ -10,15 +10,15 @@ one left.
 Departures (numbered):
 1. No logits-processor objects: `process_logits` is one pure function over fp32 logits.
 2. Sampling is by inversion (the inverse-transform method): one uniform U per row, and the token is
-   the first i whose cumulative (unnormalised) probability exceeds U times the total — token i is drawn with
+   the first i whose cumulative probability exceeds U times their total — token i is drawn with
    probability q_i up to the float32 rounding of the cumulative sums (on a CPU `cumsum` accumulates in
    float64: ≤ 6e-8 absolute at a 152k vocabulary; on other devices the sums run in float64). A token
    whose probability is 0 — filtered, −inf — is never drawn. One random number per row per step,
    where the Gumbel-max trick (argmax_i log q_i + G_i) needs a whole vocabulary of noise: at a 152k
-   vocabulary and 16 rows that noise alone took 11 ms a step on a 2-core CPU, the whole inverse draw
-   3.4 ms (`benchmarks/sampling.py`). The engine draws U for *all* rows every step (`draw_uniforms`,
-   one call per `generate`), so a row's tokens do not depend on which other rows are still running
-   (batch compaction cannot change a sample).
+   vocabulary and 16 rows a Gumbel-max step took 17 ms on a 2-core CPU, an inversion step 4.6 ms, and
+   `torch.multinomial` (what `transformers` calls) 64 ms (`benchmarks/sampling.py`). The engine draws
+   U for *all* rows every step (`draw_uniforms`, one call per `generate`), so a row's tokens do not
+   depend on which other rows are still running (batch compaction cannot change a sample).
 3. Two log-probs per sampled token: `logprobs` under the distribution actually sampled from
    (after temperature and filters; 0 for greedy, a point mass) and `policy_logprobs` under the raw
    model at temperature 1 — the log π_θ(y) that a teacher-forced forward of the same model reproduces
@@ -103,13 +103,22 @@ def draw_uniforms(steps: int, rows: int, generator: torch.Generator | None, devi
     return torch.rand(steps, rows, dtype=torch.float32, device=device, generator=generator)
 
 
-def _cumulative(z: Tensor) -> tuple[Tensor, Tensor]:
-    """Unnormalised cumulative sums of exp(z − max z) over the vocabulary (departure 2), float32 on a CPU
-    (its `cumsum` accumulates in float64), float64 elsewhere; and the row max. The last column is the
-    softmax denominator, so log q_i = z_i − max − log(total) needs no log-softmax of the whole row.
-    Shapes: z (rows, vocab) fp32 → (rows, vocab), (rows, 1)."""
-    top = z.amax(-1, keepdim=True)
-    e = torch.sub(z, top).exp_()
+SMALL_ROWS = 1 << 16  # rows × vocab up to which the draw takes the fewest ops, above which the fewest passes
+
+
+def _cumulative(z: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Cumulative sums over the vocabulary of softmax(z) up to a per-row factor (departure 2): float32 on
+    a CPU (its `cumsum` accumulates in float64), float64 elsewhere; and the row max they are relative to.
+
+    Small batches (≤ `SMALL_ROWS` elements) take `softmax` (one fused kernel; max None); larger ones
+    exp(z − max), whose total is then the softmax denominator, so that the drawn token's log-prob needs
+    no log-softmax of whole rows (`benchmarks/sampling.py`, 2 threads: 8 × 314 29 vs 45 µs a step,
+    16 × 151,936 10.6 vs 3.1 ms). Shapes: z (rows, vocab) fp32 → (rows, vocab), (rows, 1) or None."""
+    if z.numel() <= SMALL_ROWS:
+        top, e = None, z.softmax(-1)
+    else:
+        top = z.amax(-1, keepdim=True)
+        e = torch.sub(z, top).exp_()
     return (e.cumsum_(-1) if e.device.type == "cpu" else e.cumsum(-1, dtype=torch.float64)), top
 
 
@@ -120,14 +129,21 @@ def _targets(cdf: Tensor, u: Tensor) -> Tensor:
     return torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
 
 
+def _picked_logprob(z: Tensor, picked: Tensor, cdf: Tensor, top: Tensor | None, out: Tensor) -> None:
+    """out ← log softmax(z) at the drawn tokens: from the log-softmax (small rows) or as z − max − log total."""
+    if top is None:
+        torch.gather(z.log_softmax(-1), 1, picked, out=out[:, None])
+    else:
+        torch.sub(z.gather(1, picked), cdf[:, -1:].log().to(z.dtype).add_(top), out=out[:, None])
+
+
 def sample_into(logits: Tensor, params: SamplingParams, u: Tensor, tokens: Tensor, logprobs: Tensor,
                 policy_logprobs: Tensor) -> None:
     """`sample` for temperature > 0, written into the given (rows,) buffers.
 
-    The same draw as `sample(logits, params, u)` (tested), with a binary search instead of a count, the
-    log-probs of the drawn tokens only (no log-softmax of whole rows) and no allocation of the outputs:
-    the decode loop's hot path. Shapes: logits (rows, vocab) fp32; u (rows,) uniforms in [0, 1);
-    tokens (rows,) long; logprobs/policy_logprobs (rows,) fp32.
+    The same draw as `sample(logits, params, u)` (tested), with a binary search instead of a count and no
+    allocation of the outputs: the decode loop's hot path. Shapes: logits (rows, vocab) fp32; u (rows,)
+    uniforms in [0, 1); tokens (rows,) long; logprobs/policy_logprobs (rows,) fp32.
     """
     if params.greedy:
         raise ValueError("sample_into: greedy draws nothing; use sample")
@@ -136,12 +152,11 @@ def sample_into(logits: Tensor, params: SamplingParams, u: Tensor, tokens: Tenso
     cdf, top = _cumulative(z)
     torch.searchsorted(cdf, _targets(cdf, u), right=True, out=tokens[:, None])  # first cdf > U · total
     picked = tokens[:, None]
-    log_norm = cdf[:, -1:].log().to(z.dtype).add_(top)                        # (rows, 1) logsumexp z
-    torch.sub(z.gather(1, picked), log_norm, out=logprobs[:, None])
+    _picked_logprob(z, picked, cdf, top, logprobs)
     if z is logits:
         policy_logprobs.copy_(logprobs)
     else:
-        torch.sub(logits.gather(1, picked), torch.logsumexp(logits, -1, keepdim=True), out=policy_logprobs[:, None])
+        torch.gather(logits.log_softmax(-1), 1, picked, out=policy_logprobs[:, None])
 
 
 def sample(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
