@@ -56,7 +56,8 @@ def main() -> None:
             if shared:
                 logits = shared_prompt_logits(model, ids, mask, pos, p, 0)
             else:
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=n + 1).logits[:, :-1]
+                logits = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
+                               logits_to_keep=n).logits  # as the stage's padded path: the last token is no input
         torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).sum().backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
@@ -73,9 +74,9 @@ def main() -> None:
           f"{a.prompts} prompts × G {a.group}, {p} prompt + {n} completion tokens, {a.reps} alternating reps")
     print("| layout | tokens through the matmuls | s (median) | per rep |")
     print("|---|---|---|---|")
-    print(f"| padded | {rows} × {seq} = {rows * seq:,} | {statistics.median(times[False]):.3f} | "
+    print(f"| padded | {rows} × {seq - 1} = {rows * (seq - 1):,} | {statistics.median(times[False]):.3f} | "
           f"{', '.join(f'{x:.3f}' for x in times[False])} |")
-    print(f"| shared prompt | {a.prompts} × {p + a.group * n} = {a.prompts * (p + a.group * n):,} | "
+    print(f"| shared prompt | {a.prompts} × {p + a.group * (n - 1)} = {a.prompts * (p + a.group * (n - 1)):,} | "
           f"{statistics.median(times[True]):.3f} | {', '.join(f'{x:.3f}' for x in times[True])} |")
     print(f"\npadded / shared: **{statistics.median(ratios):.2f}×** (per rep {', '.join(f'{x:.2f}' for x in ratios)})")
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from posttrain.rollout import sampling
 from posttrain.rollout.sampling import (
-    SMALL_ROWS,
     SamplingParams,
     draw_uniforms,
     process_logits,
@@ -21,6 +21,14 @@ LOGITS = P.log()
 N = 10_000
 CHI2_CRIT_DF3 = 16.266  # χ² critical value, 3 degrees of freedom, α = 0.001 (standard table)
 CHI2_CRIT_DF1 = 10.828  # 1 degree of freedom, α = 0.001
+FORMS = {"softmax": 10**9, "exp": 0}  # `sampling.SMALL_VOCAB` forcing each form of the draw on any vocabulary
+
+
+@pytest.fixture(autouse=True, params=list(FORMS))
+def form(request, monkeypatch):
+    """Every test runs under both forms of the inversion draw (softmax for small vocabularies, exp(z − max) above)."""
+    monkeypatch.setattr(sampling, "SMALL_VOCAB", FORMS[request.param])
+    return request.param
 
 
 def draw(params: SamplingParams, seed: int = 0, logits: torch.Tensor = LOGITS) -> tuple[torch.Tensor, ...]:
@@ -154,7 +162,8 @@ def test_sample_into_is_the_same_draw_as_sample(params):
     tokens, lp, plp = torch.empty(9, dtype=torch.long), torch.empty(9), torch.empty(9)
     sample_into(logits, params, u, tokens, lp, plp)
     assert torch.equal(tokens, want[0])                               # binary search = count
-    assert torch.equal(lp, want[1]) and torch.equal(plp, want[2])
+    # the same log-softmax (softmax form), or z − max − log total (exp form): equal to fp32 round-off
+    assert torch.allclose(lp, want[1], atol=1e-5, rtol=0) and torch.allclose(plp, want[2], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="greedy"):
         sample_into(logits, SamplingParams(temperature=0), u, tokens, lp, plp)
 
@@ -194,12 +203,30 @@ def test_inversion_is_exact_on_a_large_vocabulary():
         lo = float(cdf[r, t - 1]) if t else 0.0
         assert lo - 1e-6 <= float(u[r]) <= float(cdf[r, t]) + 1e-6
     assert torch.allclose(lp.double(), p.log().gather(1, tokens[:, None])[:, 0], atol=1e-5)
-    # the hot path's large-row form (exp(z − max), log-prob from the total) draws the same tokens
-    assert logits.numel() > SMALL_ROWS
     got, glp, gplp = torch.empty(4, dtype=torch.long), torch.empty(4), torch.empty(4)
     sample_into(logits, SamplingParams(temperature=1.0), u, got, glp, gplp)
-    assert torch.equal(got, tokens)
-    assert torch.allclose(glp, lp, atol=1e-5) and torch.equal(glp, gplp)
+    assert torch.equal(got, tokens) and torch.equal(glp, gplp)
+    assert torch.allclose(glp, lp, atol=1e-5, rtol=0)                  # log-probs of size ~8: fp32 ulp 1e-6
+
+
+@pytest.mark.parametrize("vocab, params", [(40, SamplingParams(temperature=1.0)),
+                                           (5_000, SamplingParams(temperature=0.8, top_k=50)),
+                                           (151_936, SamplingParams(temperature=1.0, top_p=0.9))])
+def test_both_forms_draw_the_same_tokens(vocab, params, monkeypatch):
+    """softmax and exp(z − max) round the cumulative sums differently (≲ 1e-7 of the total), so a U within
+    that of an interval edge could go either way; these seeded draws sit nowhere near one."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, vocab, generator=g) * 3
+    u = draw_uniforms(1, 6, g, torch.device("cpu"))[0]
+    out = {}
+    for name, limit in FORMS.items():
+        monkeypatch.setattr(sampling, "SMALL_VOCAB", limit)
+        tokens, lp, plp = torch.empty(6, dtype=torch.long), torch.empty(6), torch.empty(6)
+        sample_into(logits, params, u, tokens, lp, plp)
+        out[name] = tokens, lp, plp
+    (ta, la, pa), (tb, lb, pb) = out["softmax"], out["exp"]
+    assert torch.equal(ta, tb)
+    assert torch.allclose(la, lb, atol=1e-5, rtol=0) and torch.allclose(pa, pb, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("field, value", [

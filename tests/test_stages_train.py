@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ from safetensors.torch import load_file
 
 from posttrain.data import encode_sft, parse_record
 from posttrain.models import build_tiny
-from posttrain.pipeline.config import Recipe
+from posttrain.pipeline.config import OptimConfig, Recipe
 from posttrain.pipeline.run import run_pipeline
+from posttrain.stages._training import Trainer, optimizer_step
 from posttrain.stages.sft import sft_batch_loss
 from conftest import tiny_recipe_dict
 
@@ -113,26 +115,31 @@ def test_fused_adamw_by_model_size():
     assert not build_optimizer(big, OptimConfig(fused=False)).defaults["fused"]
 
 
-@pytest.mark.parametrize("scale", [1e-3, 1e3])  # under and over the limit
-def test_optimizer_step_clips_exactly_as_clip_grad_norm(scale):
-    """The gradients reach the optimizer bitwise as `clip_grad_norm_` leaves them, scaled only over the limit."""
-    from types import SimpleNamespace
-
-    from posttrain.pipeline.config import OptimConfig
-    from posttrain.stages._training import Trainer, optimizer_step
-
+@pytest.mark.parametrize("case", ["under", "at the limit", "just over", "over", "nan"])
+def test_optimizer_step_clips_exactly_as_clip_grad_norm(case):
+    """The gradients reach the optimizer bitwise as `clip_grad_norm_` leaves them, whether the multiply
+    is skipped (factor min(1, 1 / (norm + 1e-6)) = 1) or not; a parameter without a gradient is left out."""
     torch.manual_seed(0)
     ref, model = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
     model.load_state_dict(ref.state_dict())
-    for a, b in zip(ref.parameters(), model.parameters()):
-        a.grad = torch.randn_like(a) * scale
-        b.grad = a.grad.clone()
+    g = torch.randn(16, 8)
+    # the weight's gradient alone sets the norm (the bias has none): scaled to the case's norm
+    target = {"under": 1e-3, "at the limit": 1.0, "just over": 1.0 + 1e-3, "over": 1e3, "nan": 1.0}[case]
+    g = g * (target / g.norm())
+    if case == "nan":
+        g[0, 0] = float("nan")
+    ref.weight.grad, model.weight.grad = g.clone(), g.clone()
+    ref.bias.grad = model.bias.grad = None
     expected_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
     seen: list[torch.Tensor] = []
-    optimizer = SimpleNamespace(step=lambda: seen.extend(p.grad.clone() for p in model.parameters()),
-                                zero_grad=lambda set_to_none: None)
+    optimizer = SimpleNamespace(step=lambda: seen.append(model.weight.grad.clone()), zero_grad=lambda set_to_none: None)
     t = Trainer(model, optimizer, SimpleNamespace(step=lambda: None), step=0, data_state=None)
-    assert optimizer_step(t, OptimConfig(lr=1e-3, grad_clip=1.0)) == pytest.approx(expected_norm, rel=1e-6)
-    assert all(torch.equal(a.grad, g) for a, g in zip(ref.parameters(), seen))
-    assert (expected_norm > 1.0) == (scale > 1)  # both branches are exercised
+    norm = optimizer_step(t, OptimConfig(lr=1e-3, grad_clip=1.0))
+    assert norm == pytest.approx(expected_norm, rel=1e-6, nan_ok=True)
+    if case == "nan":                                                  # NaN norm: every gradient NaN, as torch leaves it
+        assert seen[0].isnan().all() and ref.weight.grad.isnan().all()
+    else:
+        assert torch.equal(seen[0], ref.weight.grad)
+    if case == "over":
+        assert seen[0].norm() == pytest.approx(1.0, rel=1e-5)        # 1e3 → 1: scaled by ~1e-3
     assert t.step == 1

@@ -11,14 +11,15 @@ Departures (numbered):
 1. No logits-processor objects: `process_logits` is one pure function over fp32 logits.
 2. Sampling is by inversion (the inverse-transform method): one uniform U per row, and the token is
    the first i whose cumulative probability exceeds U times their total — token i is drawn with
-   probability q_i up to the float32 rounding of the cumulative sums (on a CPU `cumsum` accumulates in
-   float64: ≤ 6e-8 absolute at a 152k vocabulary; on other devices the sums run in float64). A token
-   whose probability is 0 — filtered, −inf — is never drawn. One random number per row per step,
-   where the Gumbel-max trick (argmax_i log q_i + G_i) needs a whole vocabulary of noise: at a 152k
-   vocabulary and 16 rows a Gumbel-max step took 17 ms on a 2-core CPU, an inversion step 4.6 ms, and
-   `torch.multinomial` (what `transformers` calls) 64 ms (`benchmarks/sampling.py`). The engine draws
-   U for *all* rows every step (`draw_uniforms`, one call per `generate`), so a row's tokens do not
-   depend on which other rows are still running (batch compaction cannot change a sample).
+   probability q_i up to two roundings: of the cumulative sums to float32 (a CPU's `cumsum`
+   accumulates in float64, other devices sum in float64; ≤ 2⁻²⁴ of the total either way, whatever the
+   vocabulary) and of U to its 2⁻²⁴ grid. A token whose probability is 0 — filtered, −inf — is never
+   drawn. One random number per row per step, where the Gumbel-max trick (argmax_i log q_i + G_i)
+   needs a whole vocabulary of noise: at a 152k vocabulary and 16 rows a Gumbel-max step took 17 ms on
+   a 2-core CPU, an inversion step 4.6 ms, and `torch.multinomial` (what `transformers` calls) 64 ms
+   (`benchmarks/sampling.py`). The engine draws U for *all* rows every step (`draw_uniforms`, one call
+   per `generate`), so a row's tokens do not depend on which other rows are still running (batch
+   compaction cannot change a sample).
 3. Two log-probs per sampled token: `logprobs` under the distribution actually sampled from
    (after temperature and filters; 0 for greedy, a point mass) and `policy_logprobs` under the raw
    model at temperature 1 — the log π_θ(y) that a teacher-forced forward of the same model reproduces
@@ -103,18 +104,19 @@ def draw_uniforms(steps: int, rows: int, generator: torch.Generator | None, devi
     return torch.rand(steps, rows, dtype=torch.float32, device=device, generator=generator)
 
 
-SMALL_ROWS = 1 << 16  # rows × vocab up to which the draw takes the fewest ops, above which the fewest passes
+SMALL_VOCAB = 4096  # vocabularies up to which the draw takes the fewest ops; above, the fewest passes
 
 
 def _cumulative(z: Tensor) -> tuple[Tensor, Tensor | None]:
     """Cumulative sums over the vocabulary of softmax(z) up to a per-row factor (departure 2): float32 on
     a CPU (its `cumsum` accumulates in float64), float64 elsewhere; and the row max they are relative to.
 
-    Small batches (≤ `SMALL_ROWS` elements) take `softmax` (one fused kernel; max None); larger ones
-    exp(z − max), whose total is then the softmax denominator, so that the drawn token's log-prob needs
-    no log-softmax of whole rows (`benchmarks/sampling.py`, 2 threads: 8 × 314 29 vs 45 µs a step,
-    16 × 151,936 10.6 vs 3.1 ms). Shapes: z (rows, vocab) fp32 → (rows, vocab), (rows, 1) or None."""
-    if z.numel() <= SMALL_ROWS:
+    A small vocabulary (≤ `SMALL_VOCAB`) takes `softmax`, one fused kernel (max None); a larger one
+    exp(z − max), whose total is then the softmax denominator, so the drawn token's log-prob needs no
+    log-softmax of whole rows (fewer passes over long rows; `benchmarks/sampling.py` times both forms).
+    The form depends on the vocabulary only, never on the row count, so compacting a batch cannot change
+    a draw. Shapes: z (rows, vocab) fp32 → (rows, vocab), (rows, 1) or None."""
+    if z.shape[-1] <= SMALL_VOCAB:
         top, e = None, z.softmax(-1)
     else:
         top = z.amax(-1, keepdim=True)

@@ -16,7 +16,8 @@ each exact up to float rounding (tests/test_pref_packing.py checks both against 
 3. Shared prompt per GRPO group (`shared_prompt_logits`): a group of G completions of one prompt is one
    row [prompt | c_1 | … | c_G] with the completions in slots of equal width, run through
    `models.prefix_attention` (each slot attends to the prompt and to itself; only those blocks are
-   computed). A group costs P + G·N tokens instead of G·(P + N).
+   computed). A group costs P + G·(N − 1) tokens instead of G·(P + N) (the last completion column
+   predicts nothing and only it would attend to itself, so it is no input).
 
 Cost notes: in 1 and 2 attention is dense within a row (≤ row_len² per head), a small price next to the
 matmuls saved at these lengths; the 4-D boolean mask is (R, 1, W, W). With G slots that price grows as

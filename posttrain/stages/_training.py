@@ -103,11 +103,13 @@ def save(ctx: RunContext, cfg: TrainStage, t: Trainer, *, data_state: dict[str, 
 def optimizer_step(t: Trainer, cfg: OptimConfig) -> float:
     """Clip, step, schedule, zero. Returns the pre-clip gradient norm (a device sync point).
 
-    The gradients are scaled only when the norm exceeds the limit (`clip_grad_norm_` multiplies every
-    gradient by 1.0 otherwise: exact, but a pass over all of them)."""
+    The clip is `clip_grad_norm_`'s — gradients × min(1, limit / (norm + 1e-6)) — except that a factor of
+    exactly 1 (every norm up to ~1e-6 below the limit) skips the multiply, a pass over all gradients
+    that would leave them bitwise as they are; a NaN norm still scales (NaN everywhere, as torch does)."""
     params = [p for p in t.model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if float(grad_norm) > cfg.grad_clip:
+    coef = cfg.grad_clip / (grad_norm + 1e-6)                              # as torch computes it
+    if not bool(coef >= 1.0):
         torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)  # scales each p.grad
     t.optimizer.step()
     t.scheduler.step()

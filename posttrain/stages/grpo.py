@@ -165,6 +165,8 @@ def completion_logits(model: torch.nn.Module, b: GroupBatch, *, share_prompt: bo
     (`_packing.group_rows`, `models.prefix_attention`); else the padded batch without its last column
     (the last token predicts nothing and nothing attends to it)."""
     n = b.mask.shape[1]
+    if n == 0:  # `logits_to_keep=0` would mean "all positions"
+        raise ValueError("completion_logits: the batch has no completion tokens")
     if share_prompt:
         return shared_prompt_logits(model, b.input_ids, b.attention_mask, b.position_ids, b.prompt_len, pad_id)
     out = model(input_ids=b.input_ids[:, :-1], attention_mask=b.attention_mask[:, :-1],
@@ -325,10 +327,11 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                         t.step += 1
                 else:
                     b = build_batch(got.pieces, engine.pad_id, mask_truncated=cfg.mask_truncated)
-                    seq = b.input_ids.shape[1]
-                    # the rows a forward runs: padded (R, P + N), or with share_prompt one P + G·N row per group
-                    shape = ((math.ceil(len(b) / cfg.group_size), b.prompt_len + cfg.group_size * (seq - b.prompt_len))
-                             if cfg.share_prompt else (len(b), seq))
+                    n = b.input_ids.shape[1] - b.prompt_len
+                    # the rows a forward runs (the last completion column is no input): padded (R, P + N − 1),
+                    # or with share_prompt one P + G·(N − 1) row per group
+                    shape = ((math.ceil(len(b) / cfg.group_size), b.prompt_len + cfg.group_size * max(n - 1, 1))
+                             if cfg.share_prompt else (len(b), b.prompt_len + n - 1))
                     micro = math.ceil(len(b) / cfg.grad_accum)
                     ref_logps = None
                     if ref_model is not None:

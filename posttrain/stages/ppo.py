@@ -91,6 +91,8 @@ def completion_logits(model, r: Rollout) -> Tensor:
     """Logits predicting each completion token. Shape: (R, N, V). The last token is not an input: it
     predicts nothing and nothing attends to it."""
     n = r.completion_ids.shape[1]
+    if n == 0:  # `logits_to_keep=0` would mean "all positions"
+        raise ValueError("completion_logits: the rollout has no completion tokens")
     out = model(input_ids=r.sequence_ids[:, :-1], attention_mask=r.sequence_mask[:, :-1],
                 position_ids=r.position_ids[:, :-1], logits_to_keep=n)
     return out.logits
@@ -166,6 +168,7 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                 r = engine.generate([prompt_ids[i] for i in index], params)
                 ph.cost = costs.decode(t.model.config, batch=len(r), prompt_len=r.prompt_ids.shape[1], new_tokens=r.completion_ids.shape[1])
             seq_len, mask = r.sequence_ids.shape[1], r.completion_mask.float()  # mask (R, N)
+            fwd_len = seq_len - 1  # the policy, reference and critic forwards leave the last token out
             truncated = torch.tensor([f == "length" for f in r.finish_reason], device=mask.device)
             with ctx.phase("score", stage=cfg.folder, step=step,
                            cost=costs.forward(scorer.model.config, batch=len(r), seq_len=seq_len, logits="scalar")), torch.no_grad():
@@ -173,8 +176,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                 score = rm_score if cfg.missing_eos_score is None else torch.where(truncated, cfg.missing_eos_score, rm_score)
                 gold = gold_rewards([fact_of(problems[i]) for i in index], r.texts, r.finish_reason)
             with ctx.phase("reference", stage=cfg.folder, step=step,
-                           cost=costs.forward(reference.config, batch=len(r), seq_len=seq_len)
-                           + costs.forward(critic.config, batch=len(r), seq_len=seq_len, logits="scalar")), torch.no_grad(), ctx.autocast():
+                           cost=costs.forward(reference.config, batch=len(r), seq_len=fwd_len)
+                           + costs.forward(critic.config, batch=len(r), seq_len=fwd_len, logits="scalar")), torch.no_grad(), ctx.autocast():
                 ref_logps = token_logprobs(completion_logits(reference, r), r.completion_ids)  # (R, N)
                 old_values = completion_values(critic, r)  # (R, N)
             old_logps = r.policy_logprobs  # (R, N), departure 1
@@ -182,8 +185,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
             advantages, returns = gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam)
             if cfg.whiten_advantages:
                 advantages = masked_whiten(advantages, mask)
-            update_cost = (costs.train_step(t.model.config, batch=len(r), seq_len=seq_len)
-                           + costs.train_step(critic.config, batch=len(r), seq_len=seq_len, logits="scalar")) * cfg.ppo_epochs
+            update_cost = (costs.train_step(t.model.config, batch=len(r), seq_len=fwd_len)
+                           + costs.train_step(critic.config, batch=len(r), seq_len=fwd_len, logits="scalar")) * cfg.ppo_epochs
             with ctx.phase("update", stage=cfg.folder, step=step, cost=update_cost):
                 gen = torch.Generator().manual_seed(seed * 7919 + step)
                 stats: list[dict[str, float]] = []
