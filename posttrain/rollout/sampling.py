@@ -132,7 +132,7 @@ def _targets(cdf: Tensor, u: Tensor) -> Tensor:
 
 
 def _picked_logprob(z: Tensor, picked: Tensor, cdf: Tensor, top: Tensor | None, out: Tensor) -> None:
-    """out ← log softmax(z) at the drawn tokens: from the log-softmax (small rows) or as z − max − log total."""
+    """out ← log softmax(z) at the drawn tokens: from the log-softmax (small vocabulary) or as z − max − log total."""
     if top is None:
         torch.gather(z.log_softmax(-1), 1, picked, out=out[:, None])
     else:
