@@ -47,6 +47,20 @@ def sequence_logps_padded(model, seqs: list[EncodedCompletion], pad_id: int, *, 
     return sequence_logprob_mean(logps, mask) if length_normalized else sequence_logprob_sum(logps, mask)
 
 
+def _require_completion(n: int) -> None:
+    if n == 0:  # `logits_to_keep=0` would mean "all positions"
+        raise ValueError("completion logits: the batch has no completion tokens")
+
+
+def padded_completion_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, n: int) -> Tensor:
+    """Logits predicting the last `n` tokens of a padded (B, T) batch — left-padded prompt, right-padded
+    completion of n columns. The last column is no input: it predicts nothing and nothing attends to
+    it. Shape: (B, n, V)."""
+    _require_completion(n)
+    return model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                 position_ids=position_ids[:, :-1], logits_to_keep=n).logits
+
+
 def first_fit(lengths: list[int], cap: int) -> list[list[int]]:
     """Indices grouped into rows of total length ≤ cap, longest first (first-fit decreasing)."""
     rows: list[list[int]] = []
@@ -228,6 +242,12 @@ def group_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, 
     return GroupRows(ids, positions, real[:, None, None], row.to(input_ids.device), slot.to(input_ids.device), p, g)
 
 
+def slot_width(n: int) -> int:
+    """Columns per slot for completions of n columns: the last is no input (it predicts nothing), but a
+    slot keeps at least one."""
+    return max(n - 1, 1)
+
+
 def shared_prompt_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int,
                          pad_id: int) -> Tensor:
     """Logits predicting every completion token of the padded batch (B, P + N), from one forward per group
@@ -236,7 +256,8 @@ def shared_prompt_logits(model, input_ids: Tensor, attention_mask: Tensor, posit
     The last completion column is not an input: it predicts nothing and only it would attend to itself,
     so each slot holds N − 1 tokens (exact; 1/N fewer slot tokens through every matmul)."""
     n = input_ids.shape[1] - prompt_len
-    w = n - 1 if n > 1 else n                                                             # slot width
+    _require_completion(n)
+    w = slot_width(n)
     cut = slice(None, prompt_len + w)
     lay = group_rows(input_ids[:, cut], attention_mask[:, cut], position_ids[:, cut], prompt_len, pad_id)
     with shared_prefix(model):

@@ -71,7 +71,7 @@ from posttrain.stages._rlvr import (
     passed,
     score_rollout,
 )
-from posttrain.stages._packing import shared_prompt_logits
+from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
 from posttrain.stages._training import Trainer, optimizer_step, save, start_or_resume
 from posttrain.telemetry import costs
 from posttrain.worlds.arithmetic import parse_answer
@@ -164,14 +164,9 @@ def completion_logits(model: torch.nn.Module, b: GroupBatch, *, share_prompt: bo
     share_prompt: one row per group of consecutive rows with the same prompt, the prompt once
     (`_packing.group_rows`, `models.prefix_attention`); else the padded batch without its last column
     (the last token predicts nothing and nothing attends to it)."""
-    n = b.mask.shape[1]
-    if n == 0:  # `logits_to_keep=0` would mean "all positions"
-        raise ValueError("completion_logits: the batch has no completion tokens")
     if share_prompt:
         return shared_prompt_logits(model, b.input_ids, b.attention_mask, b.position_ids, b.prompt_len, pad_id)
-    out = model(input_ids=b.input_ids[:, :-1], attention_mask=b.attention_mask[:, :-1],
-                position_ids=b.position_ids[:, :-1], logits_to_keep=n)
-    return out.logits
+    return padded_completion_logits(model, b.input_ids, b.attention_mask, b.position_ids, b.mask.shape[1])
 
 
 @dataclass
@@ -330,7 +325,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                     n = b.input_ids.shape[1] - b.prompt_len
                     # the rows a forward runs (the last completion column is no input): padded (R, P + N − 1),
                     # or with share_prompt one P + G·(N − 1) row per group
-                    shape = ((math.ceil(len(b) / cfg.group_size), b.prompt_len + cfg.group_size * max(n - 1, 1))
+                    shape = ((math.ceil(len(b) / cfg.group_size), b.prompt_len + cfg.group_size * slot_width(n))
                              if cfg.share_prompt else (len(b), b.prompt_len + n - 1))
                     micro = math.ceil(len(b) / cfg.grad_accum)
                     ref_logps = None

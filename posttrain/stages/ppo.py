@@ -67,6 +67,7 @@ from posttrain.stages._learned_reward import (
     resolve_policy,
     resolve_reward_model,
 )
+from posttrain.stages._packing import padded_completion_logits
 from posttrain.stages._training import (
     build_optimizer,
     save,
@@ -88,14 +89,8 @@ def load_prompts(ctx: RunContext, cfg: PPOStage) -> list[dict]:
 
 
 def completion_logits(model, r: Rollout) -> Tensor:
-    """Logits predicting each completion token. Shape: (R, N, V). The last token is not an input: it
-    predicts nothing and nothing attends to it."""
-    n = r.completion_ids.shape[1]
-    if n == 0:  # `logits_to_keep=0` would mean "all positions"
-        raise ValueError("completion_logits: the rollout has no completion tokens")
-    out = model(input_ids=r.sequence_ids[:, :-1], attention_mask=r.sequence_mask[:, :-1],
-                position_ids=r.position_ids[:, :-1], logits_to_keep=n)
-    return out.logits
+    """Logits predicting each completion token. Shape: (R, N, V)."""
+    return padded_completion_logits(model, r.sequence_ids, r.sequence_mask, r.position_ids, r.completion_ids.shape[1])
 
 
 def completion_values(critic, r: Rollout) -> Tensor:
