@@ -48,6 +48,35 @@ def test_fastest_form_wins_and_is_remembered_on_disk(weights, monkeypatch, tmp_p
     assert entry["kind"] == "dnn" and entry["us_per_pass"]["mm"] == 3_000_000
 
 
+def test_a_choice_cached_by_an_older_measure_is_measured_again(weights, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(tuning, "measure", fake_measure({"mm": 3.0, "mkl": 2.0, "dnn": 1.0}, calls))
+    key = tuning._key(weights, torch.float32, 8)
+    old = {"kind": "mm", "static": "mkl", "us_per_pass": {"mm": 7220, "mkl": 8855, "dnn": 7803}}  # no "method"
+    tuning.cache_file().write_text(json.dumps({key: old}))
+    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == "dnn"
+    assert len(calls) == 1
+    entry = json.loads(tuning.cache_file().read_text())[key]
+    assert entry["kind"] == "dnn" and entry["method"] == tuning.METHOD
+    monkeypatch.setattr(tuning, "_memo", {})
+    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == "dnn" and len(calls) == 1  # now current: kept
+
+
+def test_forms_take_turns_over_the_rounds(weights, monkeypatch):
+    built: list[str] = []
+    real = tuning.Projection
+
+    def recording(w, b, kind, rows):
+        if not built or built[-1] != kind:
+            built.append(kind)
+        return real(w, b, kind, rows)
+    monkeypatch.setattr(tuning, "Projection", recording)
+    kinds = ["mm", "dnn"] if "dnn" in tuning.candidates(torch.float32, 8) else ["mm", "mkl"]
+    seconds = tuning.measure(weights, kinds, rows=8, rounds=3, reps=1)
+    assert built == kinds * 3                      # round-robin, not every round of one form in a row
+    assert set(seconds) == set(kinds) and all(0 < s < 5 for s in seconds.values())
+
+
 def test_static_choice_kept_within_the_margin(weights, monkeypatch):
     static = projection_kind(torch.float32, 8, CPU, weights.nbytes)
     # the static form at 1.04 s, another at 1.00 s: 4% < 5%, not worth a change of round-off
@@ -71,7 +100,7 @@ def test_no_measurement_for_cached_weights_other_devices_or_when_off(weights, mo
 def test_measure_times_every_candidate_on_the_real_weights(weights):
     kinds = tuning.candidates(torch.float32, 1)
     assert "mm" in kinds and "mv" in kinds
-    seconds = tuning.measure(weights, kinds, rows=1, reps=1)
+    seconds = tuning.measure(weights, kinds, rows=1, rounds=1, reps=1)
     assert set(seconds) == set(kinds) and all(0 < s < 5 for s in seconds.values())
 
 

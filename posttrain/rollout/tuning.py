@@ -7,16 +7,17 @@ row; on an AMD EPYC (Zen 4) both run at a third of oneDNN's packed GEMM (tiny-30
 from memory, 2 threads: fp32 8 rows 724 µs `mm` / 761 µs MKL packed / 279 µs oneDNN per
 2816 × 512 weight; bf16 one row 346 µs `mv` / 85 µs oneDNN). MKL picks slow code paths on non-Intel
 CPUs. So `tuned_kind` times the candidate forms (`fused.PROJECTION_KINDS` this torch build and dtype
-support) on the model's own fused weights — one pass over every layer, as a decode step does, best of
-a few — and keeps the fastest unless the static choice (`fused.projection_kind`) is within 5% of it.
+support) on the model's own fused weights — one pass over every layer, as a decode step does, the
+best of a few, the forms taking turns — and keeps the fastest unless the static choice
+(`fused.projection_kind`) is within 5% of it.
 
 The choice is remembered per process and on disk (`$POSTTRAIN_CACHE_DIR` or ~/.cache/posttrain,
 `matmul-<host>.json`), keyed by CPU, torch version, thread count, dtype, row bucket (the next power of
 two) and weight shapes: every later run on this machine makes the same choice, so its round-off — and
 with it a resumed run's samples — does not depend on one noisy measurement. A measurement costs one
-packing of the weights per candidate and a few passes (~0.1–1 s, once). Cache-resident weights (under
-`fused.PACK_MIN_BYTES`) and non-CPU devices keep the static choice; `POSTTRAIN_MATMUL_TUNE=0` turns
-measuring off everywhere.
+packing of the weights per candidate per round and a few passes (~1–2 s for tiny-30m, once).
+Cache-resident weights (under `fused.PACK_MIN_BYTES`) and non-CPU devices keep the static choice;
+`POSTTRAIN_MATMUL_TUNE=0` turns measuring off everywhere.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from posttrain.telemetry.devices import cache_dir, cpu_name
 
 ENV_TUNE = "POSTTRAIN_MATMUL_TUNE"
 MARGIN = 0.05  # another form must beat the static choice by this much to replace it
+METHOD = 2     # `measure`'s version, kept with each cached choice: 2 = forms in turns over rounds
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _memo: dict[str, str] = {}
 
@@ -96,23 +98,30 @@ def _write_cache(key: str, entry: dict) -> None:
         pass  # a read-only home: the choice still holds for this process
 
 
-def measure(weights: FusedWeights, kinds: list[str], rows: int, reps: int = 3) -> dict[str, float]:
-    """Seconds of one pass of every layer's four decode matmuls in each form (best of `reps`, after a warm-up)."""
+def measure(weights: FusedWeights, kinds: list[str], rows: int, rounds: int = 4, reps: int = 2) -> dict[str, float]:
+    """Seconds of one pass of every layer's four decode matmuls in each form: the best pass over
+    `rounds` rounds, each of which builds every form in turn and times `reps` passes after a warm-up.
+
+    The forms take turns (round-robin) because this machine's speed drifts by tens of percent over
+    seconds: timed one after another, a form measured in a slow moment lost to a slower one (fp32,
+    1 row: `mm` 7.2 vs oneDNN 7.8 ms cached, where interleaved rounds give oneDNN 6.3–7.4 vs `mm`
+    8.0–9.5 ms). One form's packed copies are alive at a time.
+    """
     g = torch.Generator().manual_seed(0)
-    seconds: dict[str, float] = {}
-    for kind in kinds:
-        projections = [Projection(w, b, kind, rows) for lw in weights.layers
-                       for w, b in ((lw.wqkv, lw.bqkv), (lw.wo, lw.bo), (lw.wgu, None), (lw.wd, None))]
-        xs = [torch.randn(rows, p.w.shape[0] if kind == "mm" else p.w.shape[1], generator=g).to(p.w.dtype)
-              for p in projections]
-        best = math.inf
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            for p, x in zip(projections, xs):
-                p(x)
-            best = min(best, time.perf_counter() - t0)  # the first pass packs caches and warms: min drops it
-        seconds[kind] = best
-        del projections
+    seconds = dict.fromkeys(kinds, math.inf)
+    for _ in range(rounds):
+        for kind in kinds:
+            projections = [Projection(w, b, kind, rows) for lw in weights.layers
+                           for w, b in ((lw.wqkv, lw.bqkv), (lw.wo, lw.bo), (lw.wgu, None), (lw.wd, None))]
+            xs = [torch.randn(rows, p.w.shape[0] if kind == "mm" else p.w.shape[1], generator=g).to(p.w.dtype)
+                  for p in projections]
+            for rep in range(reps + 1):
+                t0 = time.perf_counter()
+                for p, x in zip(projections, xs):
+                    p(x)
+                if rep:  # the first pass warms caches and the packed layout: not timed
+                    seconds[kind] = min(seconds[kind], time.perf_counter() - t0)
+            del projections
     return seconds
 
 
@@ -131,10 +140,11 @@ def tuned_kind(weights: FusedWeights, dtype: torch.dtype, rows: int, device: tor
         return _memo[key]
     entry = _read_cache().get(key)
     kind = entry.get("kind") if isinstance(entry, dict) else None
-    if kind not in kinds:
+    if kind not in kinds or entry.get("method") != METHOD:  # a choice made by an older `measure` is made again
         seconds = measure(weights, kinds, bucket)
         fastest = min(seconds, key=seconds.get)
         kind = static if seconds.get(static, math.inf) <= seconds[fastest] * (1 + MARGIN) else fastest
-        _write_cache(key, {"kind": kind, "static": static, "us_per_pass": {k: round(v * 1e6) for k, v in seconds.items()}})
+        _write_cache(key, {"kind": kind, "static": static, "method": METHOD,
+                           "us_per_pass": {k: round(v * 1e6) for k, v in seconds.items()}})
     _memo[key] = kind
     return kind
