@@ -16,6 +16,13 @@ for the update, rollouts from bf16 weight copies); TRL with its CPU defaults (GR
 autocast where supported, gradient checkpointing on), in plain fp32 without checkpointing, and in
 bf16 autocast without checkpointing. Each of ours is compared with TRL at the same precision and
 with TRL's defaults; every side's settings are printed. `bench_grpo()` is what `benchmarks/vs_trl.py` calls.
+
+Each side's step is also split into its rollout (sampling the G completions and scoring them) and
+the rest (the update: forward, backward, optimizer, and whatever else the trainer does), medians per
+step: ours' rollout is the stage's own telemetry phases `generate` + `score`, TRL's the time inside
+`GRPOTrainer._generate_and_score_completions`; the rest is the step's time less the rollout. The speed-up is printed for each part,
+so it shows where it comes from; our phases are placed on this CPU's roofline when its peaks are cached
+(`posttrain roofline --measure`).
 """
 
 from __future__ import annotations
@@ -93,12 +100,18 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
             pass
 
     with tempfile.TemporaryDirectory() as run_dir:
+        # the stage's phases timed (a clock read each; no busy sampler, no files): the split below
+        telemetry = Telemetry.open(None, device="cpu", dtype=torch.bfloat16 if bf16 else torch.float32, busy=False)
         ctx = RunContext(run_dir=Path(run_dir), recipe=recipe, device=torch.device("cpu"),
                          tokenizer=load_tokenizer(model_dir), world=ArithmeticWorld(seed=0),
-                         telemetry=Telemetry.disabled(), sink=Sink(), start=model_dir, console=Console(quiet=True))
+                         telemetry=telemetry, sink=Sink(), start=model_dir, console=Console(quiet=True))
         base = _rss_mib()
         run_grpo(recipe.stages[0], ctx)
     times = [r["train/seconds_per_rollout"] for r in records][1:]
+    phase = lambda r, name: r.get(f"phase/{name}/seconds", 0.0)
+    rollout = [phase(r, "generate") + phase(r, "score") for r in records][1:]
+    roofline = {name: {k: records[-1].get(f"phase/{name}/{k}") for k in ("flops_per_s", "bytes_per_s", "bound")}
+                for name in ("generate", "update")}
     cpu_times = [b - a for a, b in itertools.pairwise(cpu)]  # from the end of step 1: warm-up dropped
     precision = ("bf16 autocast over fp32 master weights, rollout from bf16 weight copies (fp32 attention/KV cache)"
                  if bf16 else "fp32")
@@ -108,6 +121,8 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
     return {"side": "posttrain-bf16" if bf16 else "posttrain-fp32", "settings": settings, "s_per_step": statistics.median(times),
             "cpu_s_per_step": statistics.median(cpu_times), "steps": len(times),
             "peak_rss_mib": _rss_mib(), "rss_after_setup_mib": base,
+            "rollout_s": statistics.median(rollout), "rest_s": statistics.median(t - g for t, g in zip(times, rollout)),
+            "roofline": roofline,
             "completion_tokens_mean": statistics.mean(r["response/length_mean"] for r in records)}
 
 
@@ -153,6 +168,15 @@ def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, mode: str)
         tok = AutoTokenizer.from_pretrained(model_dir)
         trainer = GRPOTrainer(model=model, reward_funcs=gold, args=args, train_dataset=ds, processing_class=tok,
                               callbacks=[Clock()])
+        generate_and_score = trainer._generate_and_score_completions
+        rollout_seconds: list[float] = []
+
+        def timed_rollout(*a, **k):  # the rollout of each step: sampling + rewards (+ any log-prob pass it makes)
+            t0 = time.perf_counter()
+            out = generate_and_score(*a, **k)
+            rollout_seconds.append(time.perf_counter() - t0)
+            return out
+        trainer._generate_and_score_completions = timed_rollout
         base = _rss_mib()
         start = time.perf_counter()
         trainer.train()
@@ -164,8 +188,13 @@ def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, mode: str)
                 f"G={a.num_generations}, {a.per_device_train_batch_size} seq/step, ≤{a.max_completion_length} new tokens, "
                 f"T={a.temperature}, beta {a.beta}, num_iterations {a.num_iterations}, "
                 f"transformers generate, AdamW lr {a.learning_rate}, {threads} threads")
+    rollout = rollout_seconds[1:len(times) + 1]  # one per step (μ = 1), the warm-up step's dropped
+    if len(rollout) != len(times):
+        raise RuntimeError(f"TRL generated {len(rollout_seconds)} times in {len(times) + 1} steps; the split "
+                           "assumes one rollout per step")
     return {"side": f"trl-{mode}", "settings": settings,
             "s_per_step": statistics.median(times),
+            "rollout_s": statistics.median(rollout), "rest_s": statistics.median(t - g for t, g in zip(times, rollout)),
             "cpu_s_per_step": statistics.median(b - a for a, b in itertools.pairwise(cpu)),
             "steps": len(times), "peak_rss_mib": _rss_mib(),
             "rss_after_setup_mib": base, "completion_tokens_mean": statistics.mean(lengths) if lengths else float("nan")}
@@ -179,6 +208,15 @@ def _side(side: str, model_dir: Path, data: Path, steps: int, threads: int) -> d
     if proc.returncode != 0:
         raise RuntimeError(f"{side} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _roofline_text(roofline: dict | None) -> str:
+    """Our phases on the CPU roofline (last step), when the peaks were known."""
+    if not roofline:
+        return ""
+    bits = [f"{name} {v['flops_per_s'] / 1e9:.0f} GFLOP/s, {v['bytes_per_s'] / 1e9:.1f} GB/s, {v['bound']}-bound"
+            for name, v in roofline.items() if v.get("flops_per_s") is not None and v.get("bound")]
+    return f"; roofline: {'; '.join(bits)}" if bits else ""
 
 
 def bench_grpo(steps: int = 6, threads: int = 2, sides: tuple[str, ...] = SIDES, repeats: int = 1) -> dict:
@@ -195,7 +233,7 @@ def bench_grpo(steps: int = 6, threads: int = 2, sides: tuple[str, ...] = SIDES,
             rounds.append({s: _side(s, model_dir, data, steps, threads) for s in order})
     med = statistics.median
     results = {s: {**rounds[0][s], **{key: med(r[s][key] for r in rounds)
-                                       for key in ("s_per_step", "cpu_s_per_step", "peak_rss_mib")},
+                                       for key in ("s_per_step", "cpu_s_per_step", "peak_rss_mib", "rollout_s", "rest_s")},
                    "rounds_s_per_step": [r[s]["s_per_step"] for r in rounds]} for s in sides}
     print(f"\nGRPO step, tiny-30m, G={G}, {SEQS} sequences/step, ≤{COMPLETION} completion tokens, KL 0 "
           f"(median of {steps} steps after 1 warm-up, median over {repeats} round(s); {threads} threads)")
@@ -203,14 +241,18 @@ def bench_grpo(steps: int = 6, threads: int = 2, sides: tuple[str, ...] = SIDES,
         spread = ", ".join(f"{x:.3f}" for x in r["rounds_s_per_step"])
         print(f"  {r['side']:<15} {r['s_per_step']:6.3f} s/step wall ({spread}), {r['cpu_s_per_step']:6.3f} s/step CPU   "
               f"peak RSS {r['peak_rss_mib']:7.0f} MiB   mean completion {r['completion_tokens_mean']:.1f} tokens")
+        print(f"      split: rollout {r['rollout_s']:.3f} s (sample + score), update and the rest {r['rest_s']:.3f} s"
+              + _roofline_text(r.get("roofline")))
         print(f"      {r['settings']}")
     for ours, theirs in PAIRS.items():
         for side in theirs:
             if ours in results and side in results:
                 wall = [r[side]["s_per_step"] / r[ours]["s_per_step"] for r in rounds]
                 cpu = [r[side]["cpu_s_per_step"] / r[ours]["cpu_s_per_step"] for r in rounds]
+                parts = {part: med(r[side][f"{part}_s"] / r[ours][f"{part}_s"] for r in rounds) for part in ("rollout", "rest")}
                 print(f"  {ours} vs {side}: {med(wall):.2f}× wall ({', '.join(f'{x:.2f}' for x in wall)}), "
-                      f"{med(cpu):.2f}× CPU time   (target ≥ 2.5×)")
+                      f"{med(cpu):.2f}× CPU time   (target ≥ 2.5×); rollout {parts['rollout']:.2f}×, "
+                      f"update and the rest {parts['rest']:.2f}×")
     return results
 
 
