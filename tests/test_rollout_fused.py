@@ -17,6 +17,7 @@ from posttrain.rollout.fused import (
     projection_kind,
 )
 from posttrain.rollout.kv_cache import KVCache
+from posttrain.rollout.tuning import candidates as tuning_candidates
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +116,31 @@ def test_decode_plan_equals_the_many_token_forward(tok, arch, preset, dtype, kin
     tol = 1e-5 if dtype == torch.float32 else 0.1
     assert (got - ref).abs().max() <= tol
     assert torch.allclose(a.keys[-1][:, :, :6], b.keys[-1][:, :, :6], atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_on_the_decode_steps_packed_weights_equals_f_linear(tok, dtype):
+    """With `decode_rows` and a oneDNN decode form, the prefill multiplies by the packed weights the plan
+    then reuses; logits and cache as with `F.linear` on the plain copies (left pads included)."""
+    if "dnn" not in tuning_candidates(dtype, 6):
+        pytest.skip("this torch build has no oneDNN packed GEMM")
+    model = build_tiny("tiny-4m", vocab_size=len(tok), seed=0).eval().to(dtype)
+    dec = FusedDecoder(model, matmul="dnn", compute=dtype)
+    dec.prepare(16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, len(tok), (3, 7), generator=g)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, :3] = False                                                # row 1: three left pads
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        a, b = _cache(model, 3, 7), _cache(model, 3, 7)
+        ref = dec(ids, pos, a, mask)
+        assert "dnn" not in dec.weights._projections                  # F.linear: nothing packed
+        got = dec(ids, pos, b, mask, decode_rows=6)
+    assert "dnn" in dec.weights._projections                          # packed once, for the plan to reuse
+    tol = 1e-5 if dtype == torch.float32 else 0.1                      # as the plan-vs-forward test above
+    assert (got - ref).abs().max() <= tol
+    assert torch.allclose(a.keys[-1], b.keys[-1], atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def test_qwen2_with_biases_matches_generate_token_for_token(tok):

@@ -76,8 +76,10 @@ class HFForward:
         self.model = model
         self.cache_dtype = next(model.parameters()).dtype
 
-    def __call__(self, ids: Tensor, positions: Tensor, cache: KVCache, key_mask: Tensor) -> Tensor:
-        """Shapes: ids/positions (R, q); key_mask (R, ≥ cache.length + q) bool → logits (R, V) fp32."""
+    def __call__(self, ids: Tensor, positions: Tensor, cache: KVCache, key_mask: Tensor,
+                 decode_rows: int | None = None) -> Tensor:
+        """Shapes: ids/positions (R, q); key_mask (R, ≥ cache.length + q) bool → logits (R, V) fp32.
+        `decode_rows` (the fused step's matmul-form hint) has no use here."""
         out = self.model(input_ids=ids, attention_mask=key_mask[:, : cache.length + ids.shape[1]],
                          position_ids=positions, cache=cache.hf(), use_cache=True, logits_to_keep=1)
         cache.advance(ids.shape[1])
@@ -185,7 +187,7 @@ class NativeEngine:
 
         # Prefill once per prompt. With n = 1 the prefill cache is the decode cache (no copy).
         cache = self._cache(batch, plen + budget if n == 1 else plen, device)
-        logits = self.step(prompt_ids, positions_from_mask(prompt_mask), cache, prompt_mask)  # (B, V)
+        logits = self.step(prompt_ids, positions_from_mask(prompt_mask), cache, prompt_mask, decode_rows=rows)  # (B, V)
         if n > 1:
             logits = logits.repeat_interleave(n, 0)                              # (R, V)
 
