@@ -121,8 +121,11 @@ def _slider_matches_gap(page, run_dir: Path, stage: str) -> list[float]:
         got = float(page.locator("#proj-u-0").get_attribute("data-value"))
         assert got == pytest.approx(expected.utilization, rel=1e-12), (r, got, expected)
         assert page.locator("#proj-u-0").inner_text() == f"{100 * expected.utilization:.2f}%"
-        busy = page.locator("#proj-busy-0").get_attribute("data-value")
-        assert float(busy) == pytest.approx(expected.busy, rel=1e-12)
+        busy = page.locator("#proj-busy-0")
+        if expected.busy is None:  # a short real run whose phases the 20 Hz sampler never caught: no line
+            assert busy.get_attribute("data-value") == "" and busy.inner_text() == "—"
+        else:
+            assert float(busy.get_attribute("data-value")) == pytest.approx(expected.busy, rel=1e-12)
         assert page.locator("#ratio-out-0").inner_text() == f"{r:g}:1"
         seen.append(r)
     return seen
@@ -136,6 +139,7 @@ def test_rl_report_slider_in_browser(browser, tmp_path):
     assert all(n > 0 for n in drawn.values()), drawn
     # measured ratio ≈ 5.32:1 → the slider starts at 5; Home → 1, +2 → 3, End → 20, −8 → 12
     assert _slider_matches_gap(page, run_dir, "grpo") == [1.0, 3.0, 20.0, 12.0]
+    assert page.locator("#proj-busy-0").get_attribute("data-value") != ""  # this run has a busy line to project
     # 1:1 against the nominal step by hand (the jitter of ±10% on seconds moves it a few %):
     # u_gen = (0.6e9/1.2)/80e9 = 0.00625, u_ref = (2.4e9/0.08)/80e9 = 0.375, u_upd = (7.2e9/0.25)/80e9 = 0.36,
     # score 0. Rollout (1.33 s) is scaled to the update's 0.25 s: k = 0.25/1.33 = 0.18797;
