@@ -442,10 +442,9 @@ class FusedDecoder:
         """
         w, hq, hkv, d = self.weights, self.heads, self.kv_heads, self.head_dim
         rows, q = ids.shape
-        packed = None
+        packed, head = None, None                                          # the decode step's packed projections
         if decode_rows is not None and self._kind(decode_rows, ids.device) == "dnn":
-            packed = w.projections("dnn", decode_rows)                     # (layers, lm_head), reused by the plan
-        lin = lambda x, weight, bias, proj: F.linear(x, weight, bias) if proj is None else proj(x)
+            packed, head = w.projections("dnn", decode_rows)               # packed now, reused by the plan
         self._check_positions(positions)
         kv_len = cache.length + q
         real = key_mask[:, cache.length: kv_len].reshape(-1)               # (R·q,) the new tokens that are not pads
@@ -458,8 +457,9 @@ class FusedDecoder:
         eye[:, kv_len - q:] = torch.eye(q, dtype=torch.bool, device=ids.device)
         mask = ((causal[None] & key_mask[:, None, :kv_len]) | eye[None])[:, None]   # (R, 1, q, S)
         for i, lw in enumerate(w.layers):
-            lp = None if packed is None else packed[0][i]
-            qkv = lin(_normalise(h, self.eps), lw.wqkv, lw.bqkv, lp and lp.qkv).float()  # (N, (Hq + 2·Hkv)·D)
+            lp = None if packed is None else packed[i]
+            x = _normalise(h, self.eps)
+            qkv = (F.linear(x, lw.wqkv, lw.bqkv) if lp is None else lp.qkv(x)).float()  # (N, (Hq + 2·Hkv)·D)
             if keep is not None:                                           # back to the padded layout, pads = 0
                 qkv = qkv.new_zeros(rows * q, qkv.shape[1]).index_copy_(0, keep, qkv)
             qkv = qkv.view(rows, q, -1, d)                                 # (R, q, heads, D)
@@ -470,15 +470,17 @@ class FusedDecoder:
                                                scale=self.scaling, enable_gqa=hq != hkv)  # (R, Hq, q, D)
             a = a.transpose(1, 2).reshape(rows * q, hq * d)
             a = (a if keep is None else a[keep]).to(h.dtype)                # (N, Hq·D)
-            h = h + lin(a, lw.wo, lw.bo, lp and lp.o)
-            gate, up = lin(_normalise(h, self.eps), lw.wgu, None, lp and lp.gu).chunk(2, dim=-1)
-            h = h + lin(F.silu(gate) * up, lw.wd, None, lp and lp.d)
+            h = h + (F.linear(a, lw.wo, lw.bo) if lp is None else lp.o(a))
+            x = _normalise(h, self.eps)
+            gate, up = (F.linear(x, lw.wgu) if lp is None else lp.gu(x)).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            h = h + (F.linear(act, lw.wd) if lp is None else lp.d(act))
         cache.advance(q)
         # each row's last new token is real (left padding): its packed index is the running count − 1
         last_index = torch.arange(rows, device=ids.device) * q + q - 1 if keep is None else \
             real.view(rows, q).long().cumsum(-1)[:, -1].cumsum(0) - 1
         last = _normalise(h[last_index], self.final_eps)                 # (R, H)
-        return lin(last, w.lm_head, w.lm_head_bias, packed and packed[1]).float()  # (R, V)
+        return (F.linear(last, w.lm_head, w.lm_head_bias) if head is None else head(last)).float()  # (R, V)
 
     def _kind(self, rows: int, device: torch.device) -> str:
         """The decode-step matmul form for `rows` rows."""

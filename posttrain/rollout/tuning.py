@@ -15,7 +15,7 @@ The choice is remembered per process and on disk (`$POSTTRAIN_CACHE_DIR` or ~/.c
 `matmul-<host>.json`), keyed by CPU, torch version, thread count, dtype, row bucket (the next power of
 two) and weight shapes: every later run on this machine makes the same choice, so its round-off — and
 with it a resumed run's samples — does not depend on one noisy measurement. A measurement costs one
-packing of the weights per candidate per round and a few passes (~1–2 s for tiny-30m, once).
+packing of the weights per candidate per round and a few passes (0.4–1.6 s for tiny-30m, once).
 Cache-resident weights (under `fused.PACK_MIN_BYTES`) and non-CPU devices keep the static choice;
 `POSTTRAIN_MATMUL_TUNE=0` turns measuring off everywhere.
 """
@@ -102,10 +102,10 @@ def measure(weights: FusedWeights, kinds: list[str], rows: int, rounds: int = 4,
     """Seconds of one pass of every layer's four decode matmuls in each form: the best pass over
     `rounds` rounds, each of which builds every form in turn and times `reps` passes after a warm-up.
 
-    The forms take turns (round-robin) because this machine's speed drifts by tens of percent over
-    seconds: timed one after another, a form measured in a slow moment lost to a slower one (fp32,
-    1 row: `mm` 7.2 vs oneDNN 7.8 ms cached, where interleaved rounds give oneDNN 6.3–7.4 vs `mm`
-    8.0–9.5 ms). One form's packed copies are alive at a time.
+    The forms take turns (round-robin) because a shared machine's speed can drift by tens of percent
+    over seconds: timed one after another, a form measured in a slow moment lost to a slower one (the
+    AMD EPYC, fp32, 1 row: `mm` 7.2 vs oneDNN 7.8 ms cached, where interleaved rounds give oneDNN
+    5.6–7.4 vs `mm` 7.2–9.5 ms). One form's packed copies are alive at a time.
     """
     g = torch.Generator().manual_seed(0)
     seconds = dict.fromkeys(kinds, math.inf)
