@@ -9,14 +9,9 @@ import torch
 
 from posttrain.models import build_tiny, train_tokenizer
 from posttrain.rollout import HFEngine, NativeEngine, SamplingParams
-from posttrain.rollout.fused import (
-    PROJECTION_KINDS,
-    FusedDecoder,
-    Projection,
-    pair_halves,
-    projection_kind,
-)
+from posttrain.rollout.fused import FusedDecoder, pair_halves
 from posttrain.rollout.kv_cache import KVCache
+from posttrain.rollout.projections import PROJECTION_KINDS, Projection, projection_kind
 from posttrain.rollout.tuning import candidates as tuning_candidates
 
 

@@ -270,7 +270,7 @@ def test_a_rebuild_into_the_previous_buffers_equals_a_fresh_build(tok, dtype, ma
 
 
 def test_small_bf16_weights_are_multiplied_in_fp32_on_their_exact_values(tok, tiny1m):
-    """tiny-1m in bf16 decodes in fp32 (`fused.compute_dtype`): the log-probs are then those of the bf16
+    """tiny-1m in bf16 decodes in fp32 (`projections.compute_dtype`): the log-probs are then those of the bf16
     model's values in exact fp32 arithmetic, i.e. of the widened model, to fp32 precision."""
     import copy
     params = SamplingParams(max_new_tokens=8, seed=2)

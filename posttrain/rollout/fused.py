@@ -16,7 +16,8 @@ Departures from the HF forward (numbered):
    runs "NN" up to 2× faster than `F.linear`'s "NT" at 8 rows on an Intel Xeon (docs/rollout.md). The
    fastest form depends on the CPU (on an AMD EPYC oneDNN wins everywhere, by 2–4×), so for weights that
    stream from memory it is measured on the machine (`tuning.tuned_kind`); `projection_kind` is the
-   static prior. Prefill uses `F.linear` on the (out, in) copies.
+   static prior (`projections.py`). Prefill uses the decode step's packed weights when its form is
+   oneDNN's, else `F.linear` on the (out, in) copies.
 3. RMSNorm weights are folded into the next matmul: RMSNorm(x)·W = (x·s)(diag(w)·W) with the per-row
    scale s = 1/√(mean x² + ε) — exact in real arithmetic, one rounding of w·W in floating point.
 4. RoPE as one complex multiply: the rows of W_q and W_k are permuted within each head so that
@@ -52,6 +53,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posttrain.rollout.kv_cache import KVCache
+from posttrain.rollout.projections import PROJECTION_KINDS, Projection, compute_dtype
+from posttrain.rollout.tuning import tuned_kind
 
 FUSED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -246,120 +249,6 @@ def _paired(w: Tensor, heads: int, d: int) -> Tensor:
     return w.view(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2)
 
 
-def _mm(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
-
-
-# Packed-weight GEMMs: the private ATen ops `torch.compile`'s CPU weight freezing emits. Optional: when a
-# torch build lacks them, every projection runs as `torch.mm`.
-_HAS_MKL_PACK = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-_HAS_DNN_PACK = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-PROJECTION_KINDS = ("mm", "mkl", "dnn", "mv")
-PACK_MIN_BYTES = 16 << 20  # tiny-1m (4 MB in fp32) stays on `mm`, tiny-30m (118 MB) packs
-
-
-def compute_dtype(dtype: torch.dtype, device: torch.device, fp32_bytes: int) -> torch.dtype:
-    """The dtype to multiply `dtype` weights in (departure 10): fp32 for bf16/fp16 weights on a CPU when
-    their fp32 copies are under `PACK_MIN_BYTES` (cache-resident: the step is op overhead, and a bf16 GEMM
-    costs ~25 µs a call however small — tiny-1m bf16, fp32 vs bf16 arithmetic: 1.69× at 8 rows, 1.26× at
-    64, `benchmarks/rollout.py --variant compute=bf16`), else `dtype`."""
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and fp32_bytes < PACK_MIN_BYTES:
-        return torch.float32
-    return dtype
-
-
-def projection_kind(dtype: torch.dtype, rows: int, device: torch.device, weight_bytes: int) -> str:
-    """The static choice of a decode-step matmul form for `rows` rows (departure 2; docs/rollout.md),
-    measured on an Intel Xeon (AVX-512, AMX); `tuning.tuned_kind` measures the machine it runs on.
-
-    fp32: `mm`, except MKL's packed sgemm for 2–32 rows when the weights are at least `PACK_MIN_BYTES`
-    (they stream from memory every step; ~25 % faster than `mm` at 8 rows, equal at 1 and 64 rows;
-    on cache-resident weights its extra copy costs more than it saves). bf16: oneDNN's packed (AMX)
-    GEMM (~1.2–1.5× `mm`, whose per-call cost is ~25 µs even for tiny matrices), except `mv` for one
-    row of large weights (~1.3× `F.linear`).
-    """
-    if device.type != "cpu":
-        return "mm"
-    large = weight_bytes >= PACK_MIN_BYTES
-    if dtype == torch.float32:
-        return "mkl" if _HAS_MKL_PACK and large and 2 <= rows <= 32 else "mm"
-    if dtype == torch.bfloat16:
-        if rows == 1 and large:
-            return "mv"
-        return "dnn" if _HAS_DNN_PACK else "mm"
-    return "mm"
-
-
-class Projection:
-    """y = x·W + b for one (in, out) weight in one of `PROJECTION_KINDS`; all kinds compute the same product.
-
-    `w` is (out, in) contiguous, HF's layout. `mm`: `torch.mm` on a pre-transposed (in, out) copy,
-    writing into buffers; `mkl`: MKL packed sgemm,
-    packed for exactly `rows` rows (MKL would fall back to `F.linear` for another count, so fewer rows
-    are zero-padded up to `rows`: at these sizes the GEMM streams the weights whatever the row count,
-    and repacking costs ~7 decode steps); `dnn`: oneDNN packed GEMM (`rows` is a hint only); `mv`:
-    matrix-vector on a (out, in) copy, for one row.
-    """
-
-    def __init__(self, w: Tensor, b: Tensor | None, kind: str, rows: int):
-        if kind not in PROJECTION_KINDS:
-            raise ValueError(f"Projection: kind={kind!r}; expected one of {PROJECTION_KINDS}")
-        if kind == "mv" and rows != 1:
-            raise ValueError(f"Projection: kind='mv' needs rows=1, got {rows}")
-        self.kind, self.b, self.rows = kind, b, rows
-        self.w = w.t().contiguous() if kind == "mm" else w.contiguous()    # mm: (in, out); else (out, in)
-        self.packed, self._pad = None, None
-        if kind == "mkl":
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
-        elif kind == "dnn":
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        """x (R, in) → (R, out), a new tensor."""
-        if self.kind == "mm":
-            return _mm(x, self.w, self.b)
-        if self.kind == "mkl":
-            rows = x.shape[0]
-            if rows == self.rows:
-                return torch.ops.mkl._mkl_linear(x, self.packed, self.w, self.b, self.rows)
-            if rows > self.rows:
-                raise ValueError(f"Projection: {rows} rows but packed for at most {self.rows}")
-            if self._pad is None:
-                self._pad = x.new_zeros(self.rows, x.shape[1])
-            self._pad[:rows].copy_(x)
-            return torch.ops.mkl._mkl_linear(self._pad, self.packed, self.w, self.b, self.rows)[:rows]
-        if self.kind == "dnn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
-        y = torch.mv(self.w, x[0])[None]
-        return y if self.b is None else y.add_(self.b)
-
-    def into(self, x: Tensor, out: Tensor) -> None:
-        """out ← x·W + b (out: (R, out) contiguous)."""
-        if self.kind == "mm":
-            if self.b is None:
-                torch.mm(x, self.w, out=out)
-            else:
-                torch.addmm(self.b, x, self.w, out=out)
-        elif self.kind == "mv":
-            torch.mv(self.w, x[0], out=out[0])
-            if self.b is not None:
-                out.add_(self.b)
-        else:
-            out.copy_(self(x))
-
-    def add_to(self, x: Tensor, h: Tensor) -> None:
-        """h += x·W + b, in place (the residual stream)."""
-        if self.kind == "mm":
-            h.addmm_(x, self.w)
-        elif self.kind == "mv":
-            h[0].addmv_(self.w, x[0])
-        else:
-            h.add_(self(x))
-            return
-        if self.b is not None:
-            h.add_(self.b)
-
-
 @dataclass
 class _LayerProjections:
     qkv: Projection
@@ -486,8 +375,6 @@ class FusedDecoder:
         """The decode-step matmul form for `rows` rows."""
         if self.matmul != "auto":
             return self.matmul
-        from posttrain.rollout.tuning import tuned_kind  # tuning imports this module: imported here
-
         return tuned_kind(self.weights, self.compute_dtype, rows, device)
 
     def plan(self, cache: KVCache, key_mask: Tensor) -> DecodePlan:

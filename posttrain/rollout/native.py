@@ -100,8 +100,8 @@ class NativeEngine:
         one row finishes, 0.0 = never).
     matmul: form of the fused path's decode matmuls: "auto" (`tuning.tuned_kind`: on a CPU, the form
         measured fastest on this machine for weights that stream from memory — once per machine, then
-        cached; else `fused.projection_kind`), or one of "mm", "mkl", "dnn", "mv".
-    compute: the dtype the fused path multiplies in: "auto" (`fused.compute_dtype`: fp32 for small
+        cached; else `projections.projection_kind`), or one of "mm", "mkl", "dnn", "mv".
+    compute: the dtype the fused path multiplies in: "auto" (`projections.compute_dtype`: fp32 for small
         bf16/fp16 weights on a CPU, holding their rounded values exactly; else the weight dtype) or a dtype.
     Memory: the fused path keeps its own copy of the weights (fused, norm-folded; fp32 weights with nothing
     to fold are shared with the model), the decode form of each (a transposed copy for "mm", a packed

@@ -6,17 +6,17 @@ engine was first tuned on, MKL's packed sgemm won for fp32 at 2–32 rows and `t
 row; on an AMD EPYC (Zen 4) both run at a third of oneDNN's packed GEMM (tiny-30m weights streaming
 from memory, 2 threads: fp32 8 rows 724 µs `mm` / 761 µs MKL packed / 279 µs oneDNN per
 2816 × 512 weight; bf16 one row 346 µs `mv` / 85 µs oneDNN). MKL picks slow code paths on non-Intel
-CPUs. So `tuned_kind` times the candidate forms (`fused.PROJECTION_KINDS` this torch build and dtype
+CPUs. So `tuned_kind` times the candidate forms (`projections.PROJECTION_KINDS` this torch build and dtype
 support) on the model's own fused weights — one pass over every layer, as a decode step does, the
 best of a few, the forms taking turns — and keeps the fastest unless the static choice
-(`fused.projection_kind`) is within 5% of it.
+(`projections.projection_kind`) is within 5% of it.
 
 The choice is remembered per process and on disk (`$POSTTRAIN_CACHE_DIR` or ~/.cache/posttrain,
 `matmul-<host>.json`), keyed by CPU, torch version, thread count, dtype, row bucket (the next power of
 two) and weight shapes: every later run on this machine makes the same choice, so its round-off — and
 with it a resumed run's samples — does not depend on one noisy measurement. A measurement costs one
 packing of the weights per candidate per round and a few passes (0.4–1.6 s for tiny-30m, once).
-Cache-resident weights (under `fused.PACK_MIN_BYTES`) and non-CPU devices keep the static choice;
+Cache-resident weights (under `projections.PACK_MIN_BYTES`) and non-CPU devices keep the static choice;
 `POSTTRAIN_MATMUL_TUNE=0` turns measuring off everywhere.
 """
 
@@ -28,18 +28,21 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from posttrain.rollout.fused import (
+from posttrain.rollout.projections import (
     _HAS_DNN_PACK,
     _HAS_MKL_PACK,
     PACK_MIN_BYTES,
-    FusedWeights,
     Projection,
     projection_kind,
 )
 from posttrain.telemetry.devices import cache_dir, cpu_name
+
+if TYPE_CHECKING:
+    from posttrain.rollout.fused import FusedWeights
 
 ENV_TUNE = "POSTTRAIN_MATMUL_TUNE"
 MARGIN = 0.05  # another form must beat the static choice by this much to replace it
