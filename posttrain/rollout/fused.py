@@ -46,17 +46,20 @@ is the reference for `DecodePlan` (one); `tests/test_rollout_native.py` proves a
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posttrain.rollout import ckernels
 from posttrain.rollout.kv_cache import KVCache
 from posttrain.rollout.projections import PROJECTION_KINDS, Projection, compute_dtype
 from posttrain.rollout.tuning import tuned_kind
 
 FUSED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+ATTENTION_KINDS = ("auto", "c", "c-generic", "torch")  # "c-generic": the kernel's plain-C loops (tests)
 
 
 def fused_unsupported_reason(model: nn.Module) -> str | None:
@@ -263,13 +266,16 @@ class FusedDecoder:
     cache_dtype = torch.float32  # departure 5: attention and the KV cache in fp32
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None = None, *, matmul: str = "auto",
-                 compute: torch.dtype | str = "auto"):
+                 compute: torch.dtype | str = "auto", attention: str = "auto"):
         reason = fused_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FusedDecoder cannot run this model: {reason}")
         if matmul != "auto" and matmul not in PROJECTION_KINDS:
             raise ValueError(f"FusedDecoder: matmul={matmul!r}; expected 'auto' or one of {PROJECTION_KINDS}")
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"FusedDecoder: attention={attention!r}; expected one of {ATTENTION_KINDS}")
         self.matmul = matmul  # decode-step matmul form; "auto" = tuning.tuned_kind (measured on this machine)
+        self.attention = attention  # decode-step attention: "auto" = the C kernel on a CPU where it builds
         self.model = model
         cfg = model.config
         attn = model.model.layers[0].self_attn
@@ -377,9 +383,28 @@ class FusedDecoder:
             return self.matmul
         return tuned_kind(self.weights, self.compute_dtype, rows, device)
 
+    def attention_library(self, device: torch.device) -> ctypes.CDLL | None:
+        """The C decode-attention kernel (`ckernels.py`) the decode step calls, or None for PyTorch ops."""
+        if self.attention == "torch" or device.type != "cpu":
+            if self.attention.startswith("c") and device.type != "cpu":
+                raise ValueError(f"FusedDecoder: attention={self.attention!r} runs on a CPU only, not {device}")
+            return None
+        if not ckernels.supports(self.heads, self.kv_heads, self.head_dim):
+            if self.attention.startswith("c"):
+                raise ValueError(f"FusedDecoder: the C attention kernel does not handle {self.heads} heads / "
+                                 f"{self.kv_heads} KV heads of {self.head_dim} (head_dim must be a multiple "
+                                 f"of 16, ≤ {ckernels.MAX_HEAD_DIM})")
+            return None
+        lib = ckernels.decode_attention_library(generic=self.attention == "c-generic")
+        if lib is None and self.attention.startswith("c"):
+            raise ValueError(f"FusedDecoder: attention={self.attention!r} but the C kernel did not build "
+                             f"(see the warning above)")
+        return lib
+
     def plan(self, cache: KVCache, key_mask: Tensor) -> DecodePlan:
         """A one-token-per-row step bound to `cache` (rebuild after the cache's rows change)."""
-        return DecodePlan(self, cache, key_mask, self._kind(cache.rows, cache.keys[0].device))
+        device = cache.keys[0].device
+        return DecodePlan(self, cache, key_mask, self._kind(cache.rows, device), self.attention_library(device))
 
 
 class DecodePlan:
@@ -390,7 +415,8 @@ class DecodePlan:
     → logits (R, V) fp32, valid until the next call.
     """
 
-    def __init__(self, dec: FusedDecoder, cache: KVCache, key_mask: Tensor, kind: str = "mm"):
+    def __init__(self, dec: FusedDecoder, cache: KVCache, key_mask: Tensor, kind: str = "mm",
+                 attention: ctypes.CDLL | None = None):
         w, dt, f32 = dec.weights, dec.compute_dtype, torch.float32
         rows, cap, dev = cache.rows, cache.capacity, cache.keys[0].device
         hq, hkv, d, hidden = dec.heads, dec.kv_heads, dec.head_dim, dec.hidden
@@ -441,6 +467,34 @@ class DecodePlan:
         # 14; 16 × 512: 27 vs 15 / 93 vs 16; 64 × 512: 94 vs 20 / 58 vs 37)
         self.ms_rows = self.ms.view(rows, 1)
         self._normalise = self._normalise_bmm if rows == 1 or hidden <= 256 else self._normalise_mean
+        self.kernel = None if attention is None else self._bind_kernel(attention, key_mask)
+
+    def _bind_kernel(self, lib: ctypes.CDLL, key_mask: Tensor):
+        """The C kernel's call for layer i and a slot, its pointers bound once (they hold for this plan).
+
+        It reads the projections in the compute dtype when that is bf16 (no fp32 copy) and writes the
+        attention in the dtype the output projection takes; other dtypes go through the fp32 buffers.
+        """
+        dec, rows, cap = self.dec, self.rows, self.cache.capacity
+        hq, hkv, d = dec.heads, dec.kv_heads, dec.head_dim
+        threads = torch.get_num_threads()
+        self.bias_rows = torch.zeros(rows, cap, dtype=torch.float32).masked_fill_(~key_mask, float("-inf"))
+        self.scratch = torch.empty(threads, lib.posttrain_scratch_floats(hq // hkv, cap, d), dtype=torch.float32)
+        bf16 = torch.bfloat16
+        src = self.qkv if self.qkv.dtype == bf16 else self.qkv32
+        out = self.attn_w if self.attn_w.dtype == bf16 else self.attn
+        self.kernel_copies_in, self.kernel_copies_out = src is not self.qkv, out is not self.attn_w
+        head = (rows, hq, hkv, d, cap)
+        middle = (src.data_ptr(), int(src.dtype == bf16), src.shape[1], self.rot.data_ptr())
+        tail = (self.bias_rows.data_ptr(), dec.scaling, out.data_ptr(), int(out.dtype == bf16), out.shape[1],
+                self.scratch.data_ptr(), threads)
+        layers = [(k.data_ptr(), v.data_ptr()) for k, v in zip(self.cache.keys, self.cache.values)]
+        fn = lib.posttrain_decode_attention
+
+        def attend(i: int, slot: int) -> None:
+            if fn(*head, slot, *middle, *layers[i], *tail) != 0:
+                raise RuntimeError(f"DecodePlan: the C attention kernel refused {head} at slot {slot}")
+        return attend
 
     def _normalise_bmm(self, eps: Tensor) -> None:
         """x ← h / √(mean h² + ε) in fp32, cast to the weight dtype: 3 ops (the norm weight is folded)."""
@@ -470,16 +524,23 @@ class DecodePlan:
                 self.h32.copy_(self.h)
             self._normalise(self.eps)
             lp.qkv.into(self.x, self.qkv)
-            if low:
-                self.qkv32.copy_(self.qkv)
-            torch.mul(self.q_c, self.rot_b, out=self.qr_c)                  # RoPE (departure 4)
-            torch.mul(self.k_c, self.rot_b, out=self.k_cache_c[i].select(2, slot))  # RoPE straight into the cache
-            cache.values[i].select(2, slot).copy_(self.v)
-            keys, values = self.k_flat[i][:, : slot + 1], self.v_flat[i][:, : slot + 1]
-            scores = torch.baddbmm(bias, self.q3, keys.mT, alpha=dec.scaling)   # (R·Hkv, group, S)
-            torch.bmm(scores.softmax(-1), values, out=self.attn3)
-            if low:
-                self.attn_w.copy_(self.attn)
+            if self.kernel is not None:                                    # RoPE, cache write, attention: one call
+                if self.kernel_copies_in:
+                    self.qkv32.copy_(self.qkv)
+                self.kernel(i, slot)
+                if self.kernel_copies_out:
+                    self.attn_w.copy_(self.attn)
+            else:
+                if low:
+                    self.qkv32.copy_(self.qkv)
+                torch.mul(self.q_c, self.rot_b, out=self.qr_c)              # RoPE (departure 4)
+                torch.mul(self.k_c, self.rot_b, out=self.k_cache_c[i].select(2, slot))  # RoPE straight into the cache
+                cache.values[i].select(2, slot).copy_(self.v)
+                keys, values = self.k_flat[i][:, : slot + 1], self.v_flat[i][:, : slot + 1]
+                scores = torch.baddbmm(bias, self.q3, keys.mT, alpha=dec.scaling)   # (R·Hkv, group, S)
+                torch.bmm(scores.softmax(-1), values, out=self.attn3)
+                if low:
+                    self.attn_w.copy_(self.attn)
             lp.o.add_to(self.attn_w, self.h)
             if low:
                 self.h32.copy_(self.h)

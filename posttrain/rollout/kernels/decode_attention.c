@@ -1,0 +1,252 @@
+/* The attention of one decode step (one new token per row) for one layer, in one call.
+ *
+ * `DecodePlan` (posttrain/rollout/fused.py) calls it once per layer in place of six PyTorch ops: two
+ * complex multiplies (RoPE on the new queries and key), a copy (the new value into the cache),
+ * `baddbmm` (scores + pad mask), `softmax` and `bmm` (the value sum). Those run the 2 × 64 by 64 × S
+ * products of each (row, KV head) as separate small GEMMs and stream the cache from memory at a third of
+ * its bandwidth on a 2-core AMD EPYC; here each (row, KV head) is one work item that reads its keys
+ * and values once, with the query heads of its GQA group side by side.
+ *
+ * Layouts (fp32 unless a flag says bf16; all row-major, contiguous):
+ *   qkv     (rows, qkv_stride)  the row's projections: hq query heads, hkv keys, hkv values, each d wide,
+ *                               rotary pairs side by side (fused.py departure 4)
+ *   rot     (rows, d/2, 2)      the row's (cos, sin) per rotary pair at its position
+ *   k, v    (rows, hkv, cap, d) the layer's KV cache; slot `slot` is written here (the key rotated)
+ *   bias    (rows, cap)         0 where the row may attend, -inf at its pads; slot `slot` must be 0
+ *   out     (rows, out_stride)  the attention output, hq heads of d
+ *   scratch (threads, scratch_floats(hq / hkv, cap, d))
+ * The scores are scaled by `scaling` (the query is, before its products), the softmax subtracts each
+ * row's max, and exp is a degree-6 polynomial after Cody–Waite reduction by ln 2 (relative error
+ * ~2e-7), 0 below e^-87.3.
+ *
+ * Built by posttrain/rollout/ckernels.py with the machine's compiler (-O3 -march=native -fopenmp);
+ * OpenMP resolves to the runtime PyTorch already loaded, so both share one thread pool. With AVX-512
+ * the products, softmax and value sum are vector code written out; without it (or with
+ * -DPOSTTRAIN_GENERIC) the same loops are plain C that the compiler vectorises as it can.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX512F__) && !defined(POSTTRAIN_GENERIC)
+#include <immintrin.h>
+#define USE_AVX512 1
+#else
+#define USE_AVX512 0
+#endif
+
+#define MAX_HEAD_DIM 512
+#define MAX_GROUP 64
+#define PREFETCH_ROWS 8 /* keys/values this many positions ahead are prefetched (AVX-512 path) */
+
+static inline float bf16_to_f32(uint16_t b) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)b << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as PyTorch casts; NaN stays NaN */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* e^x for x <= 0 (a score minus its row's max) */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.3f) return 0.0f;
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, x));
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p * r, r, r + 1.0f);
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+#if USE_AVX512
+static inline __m512 exp16_nonpositive(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+#endif
+
+/* One of the row's head vectors (`col` is its first column in qkv), as fp32, rotated and scaled
+ * unless `plain`. */
+static void load_head(const void *qkv, int qkv_bf16, long qkv_stride, int r, long col, int d,
+                      const float *cs, float scale, int plain, float *dst) {
+    float src[MAX_HEAD_DIM];
+    if (qkv_bf16) {
+        const uint16_t *s = (const uint16_t *)qkv + r * qkv_stride + col;
+        for (int j = 0; j < d; j++) src[j] = bf16_to_f32(s[j]);
+    } else {
+        memcpy(src, (const float *)qkv + r * qkv_stride + col, sizeof(float) * (size_t)d);
+    }
+    if (plain) {
+        memcpy(dst, src, sizeof(float) * (size_t)d);
+        return;
+    }
+    for (int j = 0; j < d / 2; j++) {
+        float a = src[2 * j], b = src[2 * j + 1], c = cs[2 * j], s = cs[2 * j + 1];
+        dst[2 * j] = (a * c - b * s) * scale;
+        dst[2 * j + 1] = (a * s + b * c) * scale;
+    }
+}
+
+/* probabilities p (group × cap, the first S of each row) ← softmax(q · Kᵀ + bias); returns 1/Σ per row in inv */
+static void scores_softmax(const float *q, const float *K, const float *bias, int group, int d, int S,
+                           int cap, float *p, float *inv) {
+#if USE_AVX512
+    const int nd = d / 16;
+    for (int t = 0; t < S; t++) {
+        const float *k = K + (long)t * d;
+        for (int c = 0; c < d; c += 16) _mm_prefetch((const char *)(k + PREFETCH_ROWS * d + c), _MM_HINT_T0);
+        for (int g = 0; g < group; g++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int c = 0; c < nd; c++)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + 16 * c), _mm512_loadu_ps(k + 16 * c), a);
+            p[g * cap + t] = _mm512_reduce_add_ps(a) + bias[t];
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *pg = p + g * cap;
+        const __mmask16 tail = (__mmask16)((1u << (S % 16)) - 1u);
+        const int body = S - S % 16;
+        __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int t = 0; t < body; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(pg + t));
+        if (tail) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, pg + body));
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        for (int t = 0; t < body; t += 16) {
+            __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(pg + t), top));
+            _mm512_storeu_ps(pg + t, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        if (tail) {
+            __m512 e = _mm512_maskz_mov_ps(tail, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, pg + body), top)));
+            _mm512_mask_storeu_ps(pg + body, tail, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+#else
+    for (int g = 0; g < group; g++) {
+        const float *qg = q + g * d;
+        float *pg = p + g * cap, top = -INFINITY, sum = 0.0f;
+        for (int t = 0; t < S; t++) {
+            const float *k = K + (long)t * d;
+            float s = 0.0f;
+            for (int j = 0; j < d; j++) s += qg[j] * k[j];
+            pg[t] = s + bias[t];
+            top = pg[t] > top ? pg[t] : top;
+        }
+        for (int t = 0; t < S; t++) {
+            pg[t] = exp_nonpositive(pg[t] - top);
+            sum += pg[t];
+        }
+        inv[g] = 1.0f / sum;
+    }
+#endif
+}
+
+/* acc (group × d) ← Σ_t p[g, t] · V[t] · inv[g] */
+static void value_sum(const float *p, const float *inv, const float *V, int group, int d, int S, int cap, float *acc) {
+#if USE_AVX512
+    const int nd = d / 16;
+    for (int c0 = 0; c0 < nd; c0 += 4) { /* four vectors of d at a time stay in registers */
+        const int nc = nd - c0 < 4 ? nd - c0 : 4;
+        for (int g = 0; g < group; g++) {
+            const float *pg = p + g * cap;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int t = 0; t < S; t++) {
+                const float *v = V + (long)t * d + 16 * c0;
+                if (g == 0) _mm_prefetch((const char *)(v + PREFETCH_ROWS * d), _MM_HINT_T0);
+                const __m512 w = _mm512_set1_ps(pg[t]);
+                a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a0);
+                if (nc > 1) a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), a1);
+                if (nc > 2) a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), a2);
+                if (nc > 3) a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), a3);
+            }
+            const __m512 s = _mm512_set1_ps(inv[g]);
+            float *o = acc + g * d + 16 * c0;
+            _mm512_storeu_ps(o, _mm512_mul_ps(a0, s));
+            if (nc > 1) _mm512_storeu_ps(o + 16, _mm512_mul_ps(a1, s));
+            if (nc > 2) _mm512_storeu_ps(o + 32, _mm512_mul_ps(a2, s));
+            if (nc > 3) _mm512_storeu_ps(o + 48, _mm512_mul_ps(a3, s));
+        }
+    }
+#else
+    for (int g = 0; g < group; g++) {
+        float *ag = acc + g * d;
+        for (int j = 0; j < d; j++) ag[j] = 0.0f;
+        for (int t = 0; t < S; t++) {
+            const float w = p[g * cap + t], *v = V + (long)t * d;
+            for (int j = 0; j < d; j++) ag[j] += w * v[j];
+        }
+        for (int j = 0; j < d; j++) ag[j] *= inv[g];
+    }
+#endif
+}
+
+/* The floats of scratch one thread needs. */
+long posttrain_scratch_floats(int group, int cap, int d) {
+    return (long)group * (cap + 2L * d);
+}
+
+/* 1 when the AVX-512 code was compiled in, 0 for the plain-C loops. */
+int posttrain_vector_path(void) {
+    return USE_AVX512;
+}
+
+/* Returns 0, or -1 when a size is outside what this kernel handles (the caller checks first). */
+int posttrain_decode_attention(int rows, int hq, int hkv, int d, int cap, int slot,
+                               const void *qkv, int qkv_bf16, long qkv_stride, const float *rot,
+                               float *k_cache, float *v_cache, const float *bias, float scaling,
+                               void *out, int out_bf16, long out_stride, float *scratch, int threads) {
+    if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 16 || slot < 0 || slot >= cap)
+        return -1;
+    const int group = hq / hkv, S = slot + 1;
+    const long per_thread = posttrain_scratch_floats(group, cap, d);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long item = 0; item < (long)rows * hkv; item++) {
+        const int r = (int)(item / hkv), h = (int)(item % hkv);
+        float *q = scratch + (long)omp_get_thread_num() * per_thread; /* group × d */
+        float *acc = q + (long)group * d;                              /* group × d */
+        float *p = acc + (long)group * d;                              /* group × cap */
+        float inv[MAX_GROUP];
+        const float *cs = rot + (long)r * d;
+        float *K = k_cache + ((long)r * hkv + h) * cap * d, *V = v_cache + ((long)r * hkv + h) * cap * d;
+        for (int g = 0; g < group; g++)
+            load_head(qkv, qkv_bf16, qkv_stride, r, (long)(h * group + g) * d, d, cs, scaling, 0, q + g * d);
+        load_head(qkv, qkv_bf16, qkv_stride, r, (long)(hq + h) * d, d, cs, 1.0f, 0, K + (long)slot * d);
+        load_head(qkv, qkv_bf16, qkv_stride, r, (long)(hq + hkv + h) * d, d, cs, 1.0f, 1, V + (long)slot * d);
+        scores_softmax(q, K, bias + (long)r * cap, group, d, S, cap, p, inv);
+        value_sum(p, inv, V, group, d, S, cap, acc);
+        for (int g = 0; g < group; g++) {
+            const long col = (long)(h * group + g) * d;
+            if (out_bf16) {
+                uint16_t *o = (uint16_t *)out + r * out_stride + col;
+                for (int j = 0; j < d; j++) o[j] = f32_to_bf16(acc[g * d + j]);
+            } else {
+                memcpy((float *)out + r * out_stride + col, acc + (long)g * d, sizeof(float) * (size_t)d);
+            }
+        }
+    }
+    return 0;
+}
