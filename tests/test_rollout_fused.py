@@ -78,7 +78,7 @@ def test_projection_kind_picks_packing_only_for_large_cpu_weights():
         Projection(torch.zeros(2, 2), None, "nt", 1)
 
 
-@pytest.mark.parametrize("attention", ["torch", "c", "c-generic"])
+@pytest.mark.parametrize("decode_ops", ["torch", "c", "c-generic"])
 @pytest.mark.parametrize("arch, preset, dtype, kind, rows", [
     ("llama", "tiny-1m", torch.float32, "mm", 3),
     ("llama", "tiny-1m", torch.float32, "mm", 130),   # 130 · 128 > 16384: the reduction form of the norm
@@ -89,11 +89,11 @@ def test_projection_kind_picks_packing_only_for_large_cpu_weights():
     ("llama", "tiny-1m", torch.bfloat16, "dnn", 130),
     ("llama", "tiny-1m", torch.bfloat16, "mv", 1),
 ])
-def test_decode_plan_equals_the_many_token_forward(tok, arch, preset, dtype, kind, rows, attention):
+def test_decode_plan_equals_the_many_token_forward(tok, arch, preset, dtype, kind, rows, decode_ops):
     """Prefill 5 tokens, then one token by the plan vs the same token by `FusedDecoder.__call__` (q = 1),
-    with the decode attention as PyTorch ops, as the C kernel, and as the kernel's plain-C loops."""
+    with the step's non-matmul work as PyTorch ops, as the C kernels, and as their plain-C loops."""
     model = build_tiny(preset, vocab_size=len(tok), arch=arch, seed=0).eval().to(dtype)
-    dec = FusedDecoder(model, matmul=kind, compute=dtype, attention=attention)  # bf16 arithmetic, not widened
+    dec = FusedDecoder(model, matmul=kind, compute=dtype, decode_ops=decode_ops)  # bf16 arithmetic, not widened
     dec.prepare(16, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, len(tok), (rows, 6), generator=g)
@@ -107,7 +107,7 @@ def test_decode_plan_equals_the_many_token_forward(tok, arch, preset, dtype, kin
         dec(ids[:, :5], pos[:, :5], b, key_mask)
         ref = dec(ids[:, 5:], pos[:, 5:], a, key_mask)                 # the naive q = 1 step
         plan = dec.plan(b, key_mask)
-        assert (plan.kernel is None) == (attention == "torch")
+        assert (plan.lib is None) == (decode_ops == "torch")
         got = plan(ids[:, 5], pos[:, 5])
     assert b.length == a.length == 6
     # fp32: the same math in another op order → ≤ 1e-5 on logits of size ~1; bf16: both paths round the

@@ -1,10 +1,14 @@
 """C kernels for the CPU decode step, compiled on the machine that runs them and loaded with ctypes.
 
+Between its matmuls a fused decode step (`fused.DecodePlan`) runs a dozen small ops per layer, and on
+a CPU each costs a fixed few µs or streams its operands at a fraction of the memory's bandwidth.
 PyTorch has no fused attention for one new token per row on a CPU: its decode attention is six ops
 per layer (two RoPE multiplies, a cache copy, `baddbmm`, `softmax`, `bmm`), and the batched GEMMs run
-each (row, KV head) as its own tiny product. `kernels/decode_attention.c` does the six in one call
-(its header gives the layouts). On the 2-core AMD EPYC, 64 rows × tiny-30m's heads at 50 positions
-and 10 layers' caches, one layer's attention takes ~0.4–0.5 ms against ~0.8–0.9 ms for the six ops
+each (row, KV head) as its own tiny product. `kernels/decode.c` does those six in one call (its
+header gives the layouts), an RMSNorm in one call instead of three to five, and SwiGLU's
+silu(gate)·up in one instead of two, reading and writing bf16 directly where the weights are bf16
+(no fp32 copies). On the 2-core AMD EPYC, 64 rows × tiny-30m's heads at 50 positions and 10 layers'
+caches, one layer's attention takes ~0.4–0.5 ms against ~0.8–0.9 ms for the six ops
 (benchmarks/README.md has the measurements).
 
 The source ships with the package and is built on first use with the system C compiler
@@ -39,7 +43,7 @@ class BuildError(RuntimeError):
 
 
 def _source() -> bytes:
-    return resources.files("posttrain.rollout").joinpath("kernels/decode_attention.c").read_bytes()
+    return resources.files("posttrain.rollout").joinpath("kernels/decode.c").read_bytes()
 
 
 def _compiler() -> str | None:
@@ -47,7 +51,7 @@ def _compiler() -> str | None:
 
 
 def build(generic: bool = False) -> Path:
-    """Compile the decode-attention kernel (or find it built); the path of the shared library.
+    """Compile the decode kernels (or find them built); the path of the shared library.
 
     `generic` builds the plain-C loops even where AVX-512 is there (the tests check both paths).
     Raises `BuildError` with the compiler's message when it cannot.
@@ -63,7 +67,7 @@ def build(generic: bool = False) -> Path:
     source = _source()
     digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                         cpu_name().encode()])).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"decode_attention-{digest}.so"
+    target = cache_dir() / "kernels" / f"decode-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -93,10 +97,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.posttrain_scratch_floats.argtypes = [i, i, i]
     lib.posttrain_scratch_floats.restype = n
     lib.posttrain_vector_path.restype = i
+    lib.posttrain_rms_norm.argtypes = [i, i, p, i, f, p, i, i]
+    lib.posttrain_rms_norm.restype = i
+    lib.posttrain_silu_mul.argtypes = [i, i, p, p, i, i]
+    lib.posttrain_silu_mul.restype = i
     return lib
 
 
-def decode_attention_library(generic: bool = False) -> ctypes.CDLL | None:
+def decode_library(generic: bool = False) -> ctypes.CDLL | None:
     """The loaded kernel library, or None where it cannot be built (warned once) or is turned off."""
     if os.environ.get(ENV_DISABLE) == "0":
         return None
@@ -104,13 +112,13 @@ def decode_attention_library(generic: bool = False) -> ctypes.CDLL | None:
         try:
             _loaded[generic] = _bind(ctypes.CDLL(str(build(generic))))
         except (BuildError, OSError) as err:
-            warnings.warn(f"posttrain: the C decode-attention kernel is unavailable, using PyTorch ops ({err})",
+            warnings.warn(f"posttrain: the C decode kernels are unavailable, using PyTorch ops ({err})",
                           RuntimeWarning, stacklevel=2)
             _loaded[generic] = None
     return _loaded[generic]
 
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel handles this attention shape."""
+    """Whether the attention kernel handles this shape (the norm and SwiGLU kernels handle any)."""
     return (kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
             and head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0)

@@ -59,7 +59,7 @@ from posttrain.rollout.projections import PROJECTION_KINDS, Projection, compute_
 from posttrain.rollout.tuning import tuned_kind
 
 FUSED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-ATTENTION_KINDS = ("auto", "c", "c-generic", "torch")  # "c-generic": the kernel's plain-C loops (tests)
+DECODE_OPS = ("auto", "c", "c-generic", "torch")  # "c-generic": the C kernels' plain-C loops (tests)
 
 
 def fused_unsupported_reason(model: nn.Module) -> str | None:
@@ -266,16 +266,16 @@ class FusedDecoder:
     cache_dtype = torch.float32  # departure 5: attention and the KV cache in fp32
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None = None, *, matmul: str = "auto",
-                 compute: torch.dtype | str = "auto", attention: str = "auto"):
+                 compute: torch.dtype | str = "auto", decode_ops: str = "auto"):
         reason = fused_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FusedDecoder cannot run this model: {reason}")
         if matmul != "auto" and matmul not in PROJECTION_KINDS:
             raise ValueError(f"FusedDecoder: matmul={matmul!r}; expected 'auto' or one of {PROJECTION_KINDS}")
-        if attention not in ATTENTION_KINDS:
-            raise ValueError(f"FusedDecoder: attention={attention!r}; expected one of {ATTENTION_KINDS}")
+        if decode_ops not in DECODE_OPS:
+            raise ValueError(f"FusedDecoder: decode_ops={decode_ops!r}; expected one of {DECODE_OPS}")
         self.matmul = matmul  # decode-step matmul form; "auto" = tuning.tuned_kind (measured on this machine)
-        self.attention = attention  # decode-step attention: "auto" = the C kernel on a CPU where it builds
+        self.decode_ops = decode_ops  # the decode step's non-matmul work: "auto" = C kernels on a CPU where they build
         self.model = model
         cfg = model.config
         attn = model.model.layers[0].self_attn
@@ -383,28 +383,23 @@ class FusedDecoder:
             return self.matmul
         return tuned_kind(self.weights, self.compute_dtype, rows, device)
 
-    def attention_library(self, device: torch.device) -> ctypes.CDLL | None:
-        """The C decode-attention kernel (`ckernels.py`) the decode step calls, or None for PyTorch ops."""
-        if self.attention == "torch" or device.type != "cpu":
-            if self.attention.startswith("c") and device.type != "cpu":
-                raise ValueError(f"FusedDecoder: attention={self.attention!r} runs on a CPU only, not {device}")
+    def decode_library(self, device: torch.device) -> ctypes.CDLL | None:
+        """The C kernels (`ckernels.py`) the decode step calls between its matmuls, or None for PyTorch ops."""
+        forced = self.decode_ops.startswith("c")
+        if self.decode_ops == "torch" or device.type != "cpu":
+            if forced:
+                raise ValueError(f"FusedDecoder: decode_ops={self.decode_ops!r} runs on a CPU only, not {device}")
             return None
-        if not ckernels.supports(self.heads, self.kv_heads, self.head_dim):
-            if self.attention.startswith("c"):
-                raise ValueError(f"FusedDecoder: the C attention kernel does not handle {self.heads} heads / "
-                                 f"{self.kv_heads} KV heads of {self.head_dim} (head_dim must be a multiple "
-                                 f"of 16, ≤ {ckernels.MAX_HEAD_DIM})")
-            return None
-        lib = ckernels.decode_attention_library(generic=self.attention == "c-generic")
-        if lib is None and self.attention.startswith("c"):
-            raise ValueError(f"FusedDecoder: attention={self.attention!r} but the C kernel did not build "
+        lib = ckernels.decode_library(generic=self.decode_ops == "c-generic")
+        if lib is None and forced:
+            raise ValueError(f"FusedDecoder: decode_ops={self.decode_ops!r} but the C kernels did not build "
                              f"(see the warning above)")
         return lib
 
     def plan(self, cache: KVCache, key_mask: Tensor) -> DecodePlan:
         """A one-token-per-row step bound to `cache` (rebuild after the cache's rows change)."""
         device = cache.keys[0].device
-        return DecodePlan(self, cache, key_mask, self._kind(cache.rows, device), self.attention_library(device))
+        return DecodePlan(self, cache, key_mask, self._kind(cache.rows, device), self.decode_library(device))
 
 
 class DecodePlan:
@@ -416,7 +411,7 @@ class DecodePlan:
     """
 
     def __init__(self, dec: FusedDecoder, cache: KVCache, key_mask: Tensor, kind: str = "mm",
-                 attention: ctypes.CDLL | None = None):
+                 lib: ctypes.CDLL | None = None):
         w, dt, f32 = dec.weights, dec.compute_dtype, torch.float32
         rows, cap, dev = cache.rows, cache.capacity, cache.keys[0].device
         hq, hkv, d, hidden = dec.heads, dec.kv_heads, dec.head_dim, dec.hidden
@@ -467,35 +462,12 @@ class DecodePlan:
         # 14; 16 × 512: 27 vs 15 / 93 vs 16; 64 × 512: 94 vs 20 / 58 vs 37)
         self.ms_rows = self.ms.view(rows, 1)
         self._normalise = self._normalise_bmm if rows == 1 or hidden <= 256 else self._normalise_mean
-        self.kernel = None if attention is None else self._bind_kernel(attention, key_mask)
+        self._norm, self._attention, self._swiglu = self._norm_torch, self._attention_torch, self._swiglu_torch
+        self.lib = lib
+        if lib is not None:
+            self._bind_c(lib, key_mask)
 
-    def _bind_kernel(self, lib: ctypes.CDLL, key_mask: Tensor):
-        """The C kernel's call for layer i and a slot, its pointers bound once (they hold for this plan).
-
-        It reads the projections in the compute dtype when that is bf16 (no fp32 copy) and writes the
-        attention in the dtype the output projection takes; other dtypes go through the fp32 buffers.
-        """
-        dec, rows, cap = self.dec, self.rows, self.cache.capacity
-        hq, hkv, d = dec.heads, dec.kv_heads, dec.head_dim
-        threads = torch.get_num_threads()
-        self.bias_rows = torch.zeros(rows, cap, dtype=torch.float32).masked_fill_(~key_mask, float("-inf"))
-        self.scratch = torch.empty(threads, lib.posttrain_scratch_floats(hq // hkv, cap, d), dtype=torch.float32)
-        bf16 = torch.bfloat16
-        src = self.qkv if self.qkv.dtype == bf16 else self.qkv32
-        out = self.attn_w if self.attn_w.dtype == bf16 else self.attn
-        self.kernel_copies_in, self.kernel_copies_out = src is not self.qkv, out is not self.attn_w
-        head = (rows, hq, hkv, d, cap)
-        middle = (src.data_ptr(), int(src.dtype == bf16), src.shape[1], self.rot.data_ptr())
-        tail = (self.bias_rows.data_ptr(), dec.scaling, out.data_ptr(), int(out.dtype == bf16), out.shape[1],
-                self.scratch.data_ptr(), threads)
-        layers = [(k.data_ptr(), v.data_ptr()) for k, v in zip(self.cache.keys, self.cache.values)]
-        fn = lib.posttrain_decode_attention
-
-        def attend(i: int, slot: int) -> None:
-            if fn(*head, slot, *middle, *layers[i], *tail) != 0:
-                raise RuntimeError(f"DecodePlan: the C attention kernel refused {head} at slot {slot}")
-        return attend
-
+    # --- the step's non-matmul work, as PyTorch ops -------------------------------------------------
     def _normalise_bmm(self, eps: Tensor) -> None:
         """x ← h / √(mean h² + ε) in fp32, cast to the weight dtype: 3 ops (the norm weight is folded)."""
         torch.baddbmm(eps, self.h_row, self.h_col, alpha=self.inv_hidden, out=self.ms)  # (R, 1, 1)
@@ -508,6 +480,76 @@ class DecodePlan:
         self.ms_rows.add_(eps.view(1, 1)).rsqrt_()
         torch.mul(self.h_row, self.ms, out=self.x_row)
 
+    def _norm_torch(self, final: bool) -> None:
+        if self.h is not self.h32:
+            self.h32.copy_(self.h)
+        self._normalise(self.final_eps if final else self.eps)
+
+    def _attention_torch(self, i: int, slot: int) -> None:
+        """RoPE on the new query and key (departure 4), the key and value into the cache, attention (5)."""
+        dec, cache = self.dec, self.cache
+        if self.qkv is not self.qkv32:
+            self.qkv32.copy_(self.qkv)
+        torch.mul(self.q_c, self.rot_b, out=self.qr_c)
+        torch.mul(self.k_c, self.rot_b, out=self.k_cache_c[i].select(2, slot))  # RoPE straight into the cache
+        cache.values[i].select(2, slot).copy_(self.v)
+        keys, values = self.k_flat[i][:, : slot + 1], self.v_flat[i][:, : slot + 1]
+        scores = torch.baddbmm(self.bias[:, :, : slot + 1], self.q3, keys.mT, alpha=dec.scaling)  # (R·Hkv, group, S)
+        torch.bmm(scores.softmax(-1), values, out=self.attn3)
+        if self.attn_w is not self.attn:
+            self.attn_w.copy_(self.attn)
+
+    def _swiglu_torch(self) -> None:
+        F.silu(self.gate, inplace=True)
+        torch.mul(self.gate, self.up, out=self.act)
+
+    # --- the same work as C kernels (ckernels.py), their pointers bound once for this plan ----------
+    def _bind_c(self, lib: ctypes.CDLL, key_mask: Tensor) -> None:
+        """Point the step at the C kernels where they handle its dtypes and shapes.
+
+        They read and write fp32 or bf16: the norm reads the residual and writes the matmul input in
+        their own dtypes (no fp32 copy of the residual), the attention reads bf16 projections and writes
+        bf16 output directly; an fp16 compute dtype keeps the PyTorch ops, as does a head shape the
+        attention kernel does not handle (`ckernels.supports`).
+        """
+        dec, rows, cap = self.dec, self.rows, self.cache.capacity
+        hq, hkv, d = dec.heads, dec.kv_heads, dec.head_dim
+        f32, bf16 = torch.float32, torch.bfloat16
+        if self.h.dtype not in (f32, bf16):
+            return
+        threads = torch.get_num_threads()
+        is_bf16 = lambda t: int(t.dtype == bf16)
+        h, x = (self.h.data_ptr(), is_bf16(self.h)), (self.x.data_ptr(), is_bf16(self.x))
+        norm, hidden = lib.posttrain_rms_norm, self.h.shape[1]
+        eps, final_eps = float(dec.eps), float(dec.final_eps)
+
+        def normalise(final: bool) -> None:
+            norm(rows, hidden, *h, final_eps if final else eps, *x, threads)
+
+        swiglu, inter = lib.posttrain_silu_mul, self.act.shape[1]
+        gu_act = (self.gu.data_ptr(), self.act.data_ptr(), is_bf16(self.gu))
+
+        def silu_mul() -> None:
+            swiglu(rows, inter, *gu_act, threads)
+
+        self._norm, self._swiglu = normalise, silu_mul
+        if not ckernels.supports(hq, hkv, d):
+            return
+        self.bias_rows = torch.zeros(rows, cap, dtype=f32).masked_fill_(~key_mask, float("-inf"))
+        self.scratch = torch.empty(threads, lib.posttrain_scratch_floats(hq // hkv, cap, d), dtype=f32)
+        head = (rows, hq, hkv, d, cap)
+        middle = (self.qkv.data_ptr(), is_bf16(self.qkv), self.qkv.shape[1], self.rot.data_ptr())
+        tail = (self.bias_rows.data_ptr(), dec.scaling, self.attn_w.data_ptr(), is_bf16(self.attn_w),
+                self.attn_w.shape[1], self.scratch.data_ptr(), threads)
+        caches = [(k.data_ptr(), v.data_ptr()) for k, v in zip(self.cache.keys, self.cache.values)]
+        attend = lib.posttrain_decode_attention
+
+        def attention(i: int, slot: int) -> None:
+            if attend(*head, slot, *middle, *caches[i], *tail) != 0:
+                raise RuntimeError(f"DecodePlan: the C attention kernel refused {head} at slot {slot}")
+
+        self._attention = attention
+
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
         dec, w, cache = self.dec, self.dec.weights, self.cache
         slot = cache.length
@@ -515,42 +557,17 @@ class DecodePlan:
             raise RuntimeError(f"DecodePlan: writing position {slot} but the cache capacity is {cache.capacity}")
         if positions.numel() and int(positions.max()) >= dec._rope_len:  # host sync; cheap on CPU
             raise RuntimeError(f"FusedDecoder: position {int(positions.max())} beyond prepare({dec._rope_len})")
-        low = self.h is not self.h32
         torch.index_select(w.embed, 0, tokens, out=self.h)
         torch.index_select(dec._rot, 0, positions, out=self.rot)
-        bias = self.bias[:, :, : slot + 1]                                  # (R·Hkv, 1, S)
         for i, lp in enumerate(self.layers):
-            if low:
-                self.h32.copy_(self.h)
-            self._normalise(self.eps)
+            self._norm(False)
             lp.qkv.into(self.x, self.qkv)
-            if self.kernel is not None:                                    # RoPE, cache write, attention: one call
-                if self.kernel_copies_in:
-                    self.qkv32.copy_(self.qkv)
-                self.kernel(i, slot)
-                if self.kernel_copies_out:
-                    self.attn_w.copy_(self.attn)
-            else:
-                if low:
-                    self.qkv32.copy_(self.qkv)
-                torch.mul(self.q_c, self.rot_b, out=self.qr_c)              # RoPE (departure 4)
-                torch.mul(self.k_c, self.rot_b, out=self.k_cache_c[i].select(2, slot))  # RoPE straight into the cache
-                cache.values[i].select(2, slot).copy_(self.v)
-                keys, values = self.k_flat[i][:, : slot + 1], self.v_flat[i][:, : slot + 1]
-                scores = torch.baddbmm(bias, self.q3, keys.mT, alpha=dec.scaling)   # (R·Hkv, group, S)
-                torch.bmm(scores.softmax(-1), values, out=self.attn3)
-                if low:
-                    self.attn_w.copy_(self.attn)
+            self._attention(i, slot)
             lp.o.add_to(self.attn_w, self.h)
-            if low:
-                self.h32.copy_(self.h)
-            self._normalise(self.eps)
+            self._norm(False)
             lp.gu.into(self.x, self.gu)
-            F.silu(self.gate, inplace=True)
-            torch.mul(self.gate, self.up, out=self.act)
+            self._swiglu()
             lp.d.add_to(self.act, self.h)
         cache.advance(1)
-        if low:
-            self.h32.copy_(self.h)
-        self._normalise(self.final_eps)
+        self._norm(True)
         return self.lm_head(self.x).float()                               # (R, V)

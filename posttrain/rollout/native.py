@@ -103,9 +103,10 @@ class NativeEngine:
         cached; else `projections.projection_kind`), or one of "mm", "mkl", "dnn", "mv".
     compute: the dtype the fused path multiplies in: "auto" (`projections.compute_dtype`: fp32 for small
         bf16/fp16 weights on a CPU, holding their rounded values exactly; else the weight dtype) or a dtype.
-    attention: the fused decode step's attention: "auto" (on a CPU, the C kernel of `ckernels.py`, built
-        on first use with the machine's compiler, where it builds and handles the head shape; else PyTorch
-        ops), "c" (the kernel or an error), "c-generic" (its plain-C loops, for tests) or "torch".
+    decode_ops: the fused decode step's work between its matmuls (norms, RoPE, attention, SwiGLU):
+        "auto" (on a CPU, the C kernels of `ckernels.py`, built on first use with the machine's compiler,
+        where they build; else PyTorch ops), "c" (the kernels or an error), "c-generic" (their plain-C
+        loops, for tests) or "torch".
     Memory: the fused path keeps its own copy of the weights (fused, norm-folded; fp32 weights with nothing
     to fold are shared with the model), the decode form of each (a transposed copy for "mm", a packed
     one for "mkl"/"dnn"; "mv" uses the copy itself) and an fp32 KV cache whatever the weight dtype.
@@ -116,7 +117,7 @@ class NativeEngine:
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None, *,
                  kernels: str = "auto", dtype: torch.dtype | None = None, compact_below: float = 0.875,
                  eos_token_ids: Sequence[int] | None = None, matmul: str = "auto", compute: torch.dtype | str = "auto",
-                 attention: str = "auto"):
+                 decode_ops: str = "auto"):
         if kernels not in ("auto", "fused", "hf"):
             raise ValueError(f"NativeEngine: kernels={kernels!r}; expected 'auto', 'fused' or 'hf'")
         if not 0.0 <= compact_below <= 1.0:
@@ -131,7 +132,7 @@ class NativeEngine:
             raise ValueError(f"NativeEngine: dtype={dtype} differs from the model's {model_dtype}, which needs "
                              f"the fused kernels ({reason or 'kernels=hf was asked for'}); cast the model instead")
         self.kernels = "fused" if use_fused else "hf"
-        self.step = FusedDecoder(model, dtype, matmul=matmul, compute=compute, attention=attention) if use_fused else HFForward(model)
+        self.step = FusedDecoder(model, dtype, matmul=matmul, compute=compute, decode_ops=decode_ops) if use_fused else HFForward(model)
         self.dtype = dtype or model_dtype
         self.compact_below = compact_below
         self.eos_ids = list(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model, tokenizer)

@@ -1,4 +1,7 @@
-/* The attention of one decode step (one new token per row) for one layer, in one call.
+/* The decode step's work between its matmuls, for the fused decoder (posttrain/rollout/fused.py):
+ * the attention of one layer (below), the RMSNorm and the SwiGLU product (at the end).
+ *
+ * Attention of one decode step (one new token per row) for one layer, in one call.
  *
  * `DecodePlan` (posttrain/rollout/fused.py) calls it once per layer in place of six PyTorch ops: two
  * complex multiplies (RoPE on the new queries and key), a copy (the new value into the cache),
@@ -21,14 +24,14 @@
  *
  * Built by posttrain/rollout/ckernels.py with the machine's compiler (-O3 -march=native -fopenmp);
  * OpenMP resolves to the runtime PyTorch already loaded, so both share one thread pool. With AVX-512
- * the products, softmax and value sum are vector code written out; without it (or with
- * -DPOSTTRAIN_GENERIC) the same loops are plain C that the compiler vectorises as it can.
+ * (F, BW, VL) the loops are vector code written out; without it (or with -DPOSTTRAIN_GENERIC) the
+ * same loops are plain C that the compiler vectorises as it can.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX512F__) && !defined(POSTTRAIN_GENERIC)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(POSTTRAIN_GENERIC)
 #include <immintrin.h>
 #define USE_AVX512 1
 #else
@@ -247,6 +250,89 @@ int posttrain_decode_attention(int rows, int hq, int hkv, int d, int cap, int sl
                 memcpy((float *)out + r * out_stride + col, acc + (long)g * d, sizeof(float) * (size_t)d);
             }
         }
+    }
+    return 0;
+}
+
+#if USE_AVX512
+/* 16 values (the first n) of a fp32 or bf16 array, as fp32; the rest 0 */
+static inline __m512 load16(const void *base, long i, int bf16, int n) {
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)base + i);
+    __m256i b = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+/* the first n of 16 fp32 values into a fp32 or bf16 array (bf16: round to nearest even; no NaN here) */
+static inline void store16(void *base, long i, int bf16, int n, __m512 v) {
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    if (!bf16) { _mm512_mask_storeu_ps((float *)base + i, m, v); return; }
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(u));
+}
+#endif
+
+/* x ← h / √(mean h² + eps) per row (the norm's weight is folded into the next matmul, fused.py
+ * departure 3); h and x are (rows, hidden), fp32 or bf16 each, arithmetic in fp32. */
+int posttrain_rms_norm(int rows, int hidden, const void *h, int h_bf16, float eps, void *x, int x_bf16,
+                       int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if ((long)rows * hidden >= 32768)
+    for (int r = 0; r < rows; r++) {
+        const long base = (long)r * hidden;
+#if USE_AVX512
+        __m512 acc = _mm512_setzero_ps();
+        for (int j = 0; j < hidden; j += 16) {
+            __m512 v = load16(h, base + j, h_bf16, hidden - j);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)hidden + eps));
+        for (int j = 0; j < hidden; j += 16)
+            store16(x, base + j, x_bf16, hidden - j, _mm512_mul_ps(load16(h, base + j, h_bf16, hidden - j), scale));
+#else
+        float sum = 0.0f;
+        for (int j = 0; j < hidden; j++) {
+            float v = h_bf16 ? bf16_to_f32(((const uint16_t *)h)[base + j]) : ((const float *)h)[base + j];
+            sum += v * v;
+        }
+        const float scale = 1.0f / sqrtf(sum / (float)hidden + eps);
+        for (int j = 0; j < hidden; j++) {
+            float v = (h_bf16 ? bf16_to_f32(((const uint16_t *)h)[base + j]) : ((const float *)h)[base + j]) * scale;
+            if (x_bf16) ((uint16_t *)x)[base + j] = f32_to_bf16(v);
+            else ((float *)x)[base + j] = v;
+        }
+#endif
+    }
+    return 0;
+}
+
+/* act ← silu(gate) · up, where a row of gu (rows, 2·inter) is [gate | up], fp32 or bf16 (act the
+ * same), arithmetic in fp32 and one rounding at the end; silu(g) = g / (1 + e^-g), written with
+ * e^-|g| so the exponential never overflows. */
+int posttrain_silu_mul(int rows, int inter, const void *gu, void *act, int bf16, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if ((long)rows * inter >= 32768)
+    for (int r = 0; r < rows; r++) {
+        const long in = (long)r * 2 * inter, out = (long)r * inter;
+#if USE_AVX512
+        for (int j = 0; j < inter; j += 16) {
+            const int n = inter - j;
+            __m512 g = load16(gu, in + j, bf16, n), u = load16(gu, in + inter + j, bf16, n);
+            __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+            __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+            __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
+            store16(act, out + j, bf16, n, _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u));
+        }
+#else
+        for (int j = 0; j < inter; j++) {
+            float g = bf16 ? bf16_to_f32(((const uint16_t *)gu)[in + j]) : ((const float *)gu)[in + j];
+            float u = bf16 ? bf16_to_f32(((const uint16_t *)gu)[in + inter + j]) : ((const float *)gu)[in + inter + j];
+            float e = exp_nonpositive(-fabsf(g));
+            float v = (g >= 0.0f ? g : g * e) / (1.0f + e) * u;
+            if (bf16) ((uint16_t *)act)[out + j] = f32_to_bf16(v);
+            else ((float *)act)[out + j] = v;
+        }
+#endif
     }
     return 0;
 }
