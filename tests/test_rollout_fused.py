@@ -142,6 +142,39 @@ def test_prefill_on_the_decode_steps_packed_weights_equals_f_linear(tok, dtype):
     assert torch.allclose(a.keys[-1], b.keys[-1], atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_plan_on_cache_rows_equals_one_on_the_selected_cache(tok, dtype):
+    """Compaction without a copy: running rows that read and write cache rows [4, 1, 3] of a 5-row cache
+    give the logits, and leave the keys and values, of a plan on `cache.select([4, 1, 3])`."""
+    model = build_tiny("tiny-4m", vocab_size=len(tok), seed=0).eval().to(dtype)
+    dec = FusedDecoder(model, matmul="mm", compute=dtype, decode_ops="c")
+    dec.prepare(16, torch.device("cpu"))
+    assert dec.gathers_rows(torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, len(tok), (5, 6), generator=g)
+    mask = torch.ones(5, 6, dtype=torch.bool)
+    mask[1, :2] = False
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    key_mask = torch.cat([mask, torch.ones(5, 4, dtype=torch.bool)], 1)
+    keep = torch.tensor([4, 1, 3])
+    with torch.inference_mode():
+        a, b = _cache(model, 5, 10), _cache(model, 5, 10)
+        dec(ids[:, :5], pos[:, :5], a, key_mask)
+        dec(ids[:, :5], pos[:, :5], b, key_mask)
+        b.select(keep)
+        got = dec.plan(a, key_mask[keep], cache_rows=keep)(ids[keep, 5], pos[keep, 5])
+        ref = dec.plan(b, key_mask[keep])(ids[keep, 5], pos[keep, 5])
+        assert torch.equal(got, ref)
+        for k_a, k_b, v_a, v_b in zip(a.keys, b.keys, a.values, b.values):
+            assert torch.equal(k_a[keep, :, :6], k_b[:, :, :6]) and torch.equal(v_a[keep, :, :6], v_b[:, :, :6])
+        with pytest.raises(ValueError, match="must index the cache's 5 rows"):
+            dec.plan(a, key_mask[:1], cache_rows=torch.tensor([5]))
+        plain = FusedDecoder(model, matmul="mm", compute=dtype, decode_ops="torch")
+        plain.prepare(16, torch.device("cpu"))
+        with pytest.raises(ValueError, match="needs the C attention kernel"):
+            plain.plan(a, key_mask[keep], cache_rows=keep)
+
+
 def test_qwen2_with_biases_matches_generate_token_for_token(tok):
     model = build_tiny("tiny-1m", vocab_size=len(tok), arch="qwen2", seed=0, pad_token_id=tok.pad_token_id,
                        eos_token_id=tok.eos_token_id).eval()

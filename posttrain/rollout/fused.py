@@ -396,10 +396,20 @@ class FusedDecoder:
                              f"(see the warning above)")
         return lib
 
-    def plan(self, cache: KVCache, key_mask: Tensor) -> DecodePlan:
-        """A one-token-per-row step bound to `cache` (rebuild after the cache's rows change)."""
+    def gathers_rows(self, device: torch.device) -> bool:
+        """Whether `plan` takes `cache_rows` here: the C attention kernel runs (it reads each row's keys
+        and values where they are), so compaction needs no copy of the cache."""
+        return (self.decode_library(device) is not None and ckernels.supports(self.heads, self.kv_heads, self.head_dim)
+                and self.compute_dtype in (torch.float32, torch.bfloat16))
+
+    def plan(self, cache: KVCache, key_mask: Tensor, cache_rows: Tensor | None = None) -> DecodePlan:
+        """A one-token-per-row step bound to `cache` (rebuild after the cache's rows change).
+
+        `cache_rows` (R,) int64: the cache row of each running row, where `gathers_rows` (else the
+        cache's rows are the running rows, in order)."""
         device = cache.keys[0].device
-        return DecodePlan(self, cache, key_mask, self._kind(cache.rows, device), self.decode_library(device))
+        rows = cache.rows if cache_rows is None else cache_rows.numel()
+        return DecodePlan(self, cache, key_mask, self._kind(rows, device), self.decode_library(device), cache_rows)
 
 
 class DecodePlan:
@@ -407,13 +417,19 @@ class DecodePlan:
 
     Bound to one cache and its rows; `key_mask` (R, capacity) bool marks the key slots a row may
     attend to (its real prompt tokens and every generated slot). Call: `plan(tokens (R,), positions (R,))`
-    → logits (R, V) fp32, valid until the next call.
+    → logits (R, V) fp32, valid until the next call. With `cache_rows` (C attention only), running row
+    r reads and writes cache row `cache_rows[r]`.
     """
 
     def __init__(self, dec: FusedDecoder, cache: KVCache, key_mask: Tensor, kind: str = "mm",
-                 lib: ctypes.CDLL | None = None):
+                 lib: ctypes.CDLL | None = None, cache_rows: Tensor | None = None):
         w, dt, f32 = dec.weights, dec.compute_dtype, torch.float32
-        rows, cap, dev = cache.rows, cache.capacity, cache.keys[0].device
+        if cache_rows is not None:
+            cache_rows = cache_rows.to(torch.int64).contiguous()           # the kernel reads it by pointer
+            if cache_rows.numel() and not 0 <= int(cache_rows.min()) <= int(cache_rows.max()) < cache.rows:
+                raise ValueError(f"DecodePlan: cache_rows must index the cache's {cache.rows} rows")
+        rows = cache.rows if cache_rows is None else cache_rows.numel()
+        cap, dev = cache.capacity, cache.keys[0].device
         hq, hkv, d, hidden = dec.heads, dec.kv_heads, dec.head_dim, dec.hidden
         if cache.keys[0].dtype != f32:
             raise ValueError(f"DecodePlan: the KV cache must be fp32 (FusedDecoder.cache_dtype), got {cache.keys[0].dtype}")
@@ -450,9 +466,10 @@ class DecodePlan:
         self.h_row, self.h_col = self.h32.view(rows, 1, hidden), self.h32.view(rows, hidden, 1)
         self.x_row = self.x.view(rows, 1, hidden)
         self.gate, self.up = self.gu[:, :inter], self.gu[:, inter:]
-        self.k_cache_c = [as_c(k, rows, hkv, cap) for k in cache.keys]    # (R, Hkv, cap, D/2) complex
-        self.k_flat = [k.view(rows * hkv, cap, d) for k in cache.keys]     # (R·Hkv, cap, D)
-        self.v_flat = [v.view(rows * hkv, cap, d) for v in cache.values]
+        if cache_rows is None:                                             # the PyTorch attention's cache views
+            self.k_cache_c = [as_c(k, rows, hkv, cap) for k in cache.keys]  # (R, Hkv, cap, D/2) complex
+            self.k_flat = [k.view(rows * hkv, cap, d) for k in cache.keys]   # (R·Hkv, cap, D)
+            self.v_flat = [v.view(rows * hkv, cap, d) for v in cache.values]
         bias = torch.zeros(rows, hkv, 1, cap, dtype=f32, device=dev)
         self.bias = bias.masked_fill_(~key_mask[:, None, None, :], float("-inf")).view(rows * hkv, 1, cap)
         self.inv_hidden = 1.0 / hidden
@@ -463,9 +480,11 @@ class DecodePlan:
         self.ms_rows = self.ms.view(rows, 1)
         self._normalise = self._normalise_bmm if rows == 1 or hidden <= 256 else self._normalise_mean
         self._norm, self._attention, self._swiglu = self._norm_torch, self._attention_torch, self._swiglu_torch
-        self.lib = lib
+        self.lib, self.cache_rows = lib, cache_rows
         if lib is not None:
             self._bind_c(lib, key_mask)
+        if cache_rows is not None and self._attention == self._attention_torch:
+            raise ValueError("DecodePlan: cache_rows needs the C attention kernel (FusedDecoder.gathers_rows)")
 
     # --- the step's non-matmul work, as PyTorch ops -------------------------------------------------
     def _normalise_bmm(self, eps: Tensor) -> None:
@@ -541,7 +560,8 @@ class DecodePlan:
         middle = (self.qkv.data_ptr(), is_bf16(self.qkv), self.qkv.shape[1], self.rot.data_ptr())
         tail = (self.bias_rows.data_ptr(), dec.scaling, self.attn_w.data_ptr(), is_bf16(self.attn_w),
                 self.attn_w.shape[1], self.scratch.data_ptr(), threads)
-        caches = [(k.data_ptr(), v.data_ptr()) for k, v in zip(self.cache.keys, self.cache.values)]
+        rows_of = 0 if self.cache_rows is None else self.cache_rows.data_ptr()  # 0: NULL, row r is cache row r
+        caches = [(k.data_ptr(), v.data_ptr(), rows_of) for k, v in zip(self.cache.keys, self.cache.values)]
         attend = lib.posttrain_decode_attention
 
         def attention(i: int, slot: int) -> None:

@@ -213,6 +213,10 @@ class NativeEngine:
                    torch.empty(rows, dtype=torch.float32, device=device),
                    torch.empty(rows, dtype=torch.float32, device=device))
         plan = None
+        # Where the decode step's C attention runs, compaction leaves the cache in place and the plan reads
+        # row r's keys and values at cache row cache_rows[r]: no copy of the cache.
+        gathers = isinstance(self.step, FusedDecoder) and self.step.gathers_rows(device)
+        cache_rows = None
 
         for t in range(budget):
             full = active.numel() == rows                                      # not compacted yet: plain rows
@@ -247,12 +251,16 @@ class NativeEngine:
             if t == 0 and n > 1:                                               # first decode step: share the prefill
                 cache, plan = cache.expand(n, plen + budget), None
             if n_live <= self.compact_below * live.numel() and n_live < live.numel():
-                keep = live.nonzero()[:, 0]                                    # compaction: one copy of live rows
-                cache.select(keep)
+                keep = live.nonzero()[:, 0]                                    # compaction
+                if gathers:
+                    cache_rows = keep if cache_rows is None else cache_rows[keep]
+                else:
+                    cache.select(keep)                                         # one copy of the live rows
                 active, live, tok = active[keep], live[keep], tok[keep]
                 key_mask, next_pos, plan = key_mask[keep], next_pos[keep], None
             if plan is None:
-                plan = self.step.plan(cache, key_mask)
+                plan = self.step.plan(cache, key_mask) if cache_rows is None else \
+                    self.step.plan(cache, key_mask, cache_rows)
             logits = plan(tok, next_pos + t)                                   # (r, V)
 
         stopped = stop_step < budget

@@ -14,7 +14,9 @@
  *   qkv     (rows, qkv_stride)  the row's projections: hq query heads, hkv keys, hkv values, each d wide,
  *                               rotary pairs side by side (fused.py departure 4)
  *   rot     (rows, d/2, 2)      the row's (cos, sin) per rotary pair at its position
- *   k, v    (rows, hkv, cap, d) the layer's KV cache; slot `slot` is written here (the key rotated)
+ *   k, v    (cache_rows, hkv, cap, d) the layer's KV cache; slot `slot` is written here (the key rotated)
+ *   row_of  (rows,) int64       the cache row of each row, or NULL for row r = cache row r: finished rows
+ *                               leave the batch without copying the cache (compaction is a new row_of)
  *   bias    (rows, cap)         0 where the row may attend, -inf at its pads; slot `slot` must be 0
  *   out     (rows, out_stride)  the attention output, hq heads of d
  *   scratch (threads, scratch_floats(hq / hkv, cap, d))
@@ -220,8 +222,9 @@ int posttrain_vector_path(void) {
 /* Returns 0, or -1 when a size is outside what this kernel handles (the caller checks first). */
 int posttrain_decode_attention(int rows, int hq, int hkv, int d, int cap, int slot,
                                const void *qkv, int qkv_bf16, long qkv_stride, const float *rot,
-                               float *k_cache, float *v_cache, const float *bias, float scaling,
-                               void *out, int out_bf16, long out_stride, float *scratch, int threads) {
+                               float *k_cache, float *v_cache, const int64_t *row_of, const float *bias,
+                               float scaling, void *out, int out_bf16, long out_stride, float *scratch,
+                               int threads) {
     if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 16 || slot < 0 || slot >= cap)
         return -1;
     const int group = hq / hkv, S = slot + 1;
@@ -229,12 +232,13 @@ int posttrain_decode_attention(int rows, int hq, int hkv, int d, int cap, int sl
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long item = 0; item < (long)rows * hkv; item++) {
         const int r = (int)(item / hkv), h = (int)(item % hkv);
+        const long cr = row_of ? (long)row_of[r] : r;
         float *q = scratch + (long)omp_get_thread_num() * per_thread; /* group × d */
         float *acc = q + (long)group * d;                              /* group × d */
         float *p = acc + (long)group * d;                              /* group × cap */
         float inv[MAX_GROUP];
         const float *cs = rot + (long)r * d;
-        float *K = k_cache + ((long)r * hkv + h) * cap * d, *V = v_cache + ((long)r * hkv + h) * cap * d;
+        float *K = k_cache + (cr * hkv + h) * cap * d, *V = v_cache + (cr * hkv + h) * cap * d;
         for (int g = 0; g < group; g++)
             load_head(qkv, qkv_bf16, qkv_stride, r, (long)(h * group + g) * d, d, cs, scaling, 0, q + g * d);
         load_head(qkv, qkv_bf16, qkv_stride, r, (long)(hq + h) * d, d, cs, 1.0f, 0, K + (long)slot * d);
