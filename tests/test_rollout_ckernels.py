@@ -1,0 +1,137 @@
+"""The C decode kernels (`rollout/ckernels.py`, `rollout/kernels/decode.c`) against PyTorch ops, both
+builds (AVX-512 where the CPU has it, and the plain-C loops), and their build's failure modes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posttrain.rollout import ckernels
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["native", "generic"])
+def lib(request):
+    got = ckernels.decode_library(generic=request.param)
+    assert got is not None, "the C kernels did not build (scripts/test.sh installs a compiler)"
+    if request.param:
+        assert got.posttrain_vector_path() == 0
+    return got
+
+
+def _attention_reference(qkv, rot, k, v, key_mask, slot, hq, hkv, d, scaling):
+    """What DecodePlan's PyTorch ops compute: RoPE on adjacent pairs, then masked softmax attention."""
+    rows = qkv.shape[0]
+    heads = qkv.float().view(rows, hq + 2 * hkv, d // 2, 2)
+    c, s = rot[..., 0][:, None], rot[..., 1][:, None]                  # (R, 1, D/2)
+    a, b = heads[..., 0], heads[..., 1]
+    rotated = torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2)  # (R, heads, D)
+    q, k_new, v_new = rotated[:, :hq], rotated[:, hq:hq + hkv], heads[:, hq + hkv:].flatten(-2)
+    k, v = k.clone(), v.clone()
+    k[:, :, slot], v[:, :, slot] = k_new, v_new
+    keys = k[:, :, : slot + 1].repeat_interleave(hq // hkv, 1)         # (R, Hq, S, D)
+    values = v[:, :, : slot + 1].repeat_interleave(hq // hkv, 1)
+    scores = torch.einsum("rhd,rhsd->rhs", q.double(), keys.double()) * scaling
+    scores = scores.masked_fill(~key_mask[:, None, : slot + 1], float("-inf"))
+    out = torch.einsum("rhs,rhsd->rhd", scores.softmax(-1), values.double())
+    return out.reshape(rows, hq * d), k, v
+
+
+@pytest.mark.parametrize("rows, hq, hkv, d, slot, dtype", [
+    (3, 4, 4, 32, 6, torch.float32),     # tiny-1m's heads
+    (5, 8, 4, 64, 20, torch.float32),    # tiny-30m's (GQA 2), a slot past a 16-wide softmax block
+    (2, 6, 2, 48, 16, torch.float32),    # a head of 3 × 16 (a partial register block), GQA 3
+    (4, 8, 4, 64, 33, torch.bfloat16),   # bf16 projections in, bf16 attention out
+    (1, 2, 1, 128, 0, torch.float32),    # one row, the first slot: attends to itself only
+])
+def test_decode_attention_equals_the_pytorch_ops(lib, rows, hq, hkv, d, slot, dtype):
+    g = torch.Generator().manual_seed(rows * 100 + d)
+    cap = slot + 3
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    angle = torch.rand(rows, d // 2, generator=g) * 6.3
+    rot = torch.stack([angle.cos(), angle.sin()], -1).contiguous()     # (R, D/2, 2)
+    k = torch.randn(rows, hkv, cap, d, generator=g)
+    v = torch.randn(rows, hkv, cap, d, generator=g)
+    key_mask = torch.ones(rows, cap, dtype=torch.bool)
+    key_mask[0, : min(3, slot)] = False                                 # row 0: left pads
+    ref, k_ref, v_ref = _attention_reference(qkv, rot, k, v, key_mask, slot, hq, hkv, d, d ** -0.5)
+    bias = torch.zeros(rows, cap).masked_fill_(~key_mask, float("-inf"))
+    out = torch.full((rows, hq * d), float("nan")).to(dtype)
+    scratch = torch.empty(2, lib.posttrain_scratch_floats(hq // hkv, cap, d))
+    bf16 = int(dtype == torch.bfloat16)
+    assert lib.posttrain_decode_attention(rows, hq, hkv, d, cap, slot, qkv.data_ptr(), bf16, qkv.shape[1],
+                                          rot.data_ptr(), k.data_ptr(), v.data_ptr(), None, bias.data_ptr(),
+                                          d ** -0.5, out.data_ptr(), bf16, out.shape[1], scratch.data_ptr(), 2) == 0
+    # fp32: another summation order → ~1e-6 on outputs of size ~1; bf16: one rounding of the output
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (out.double() - ref).abs().max() <= tol
+    assert torch.allclose(k, k_ref, atol=1e-6) and torch.allclose(v, v_ref, atol=1e-6)  # slot written, rest kept
+
+
+def test_decode_attention_refuses_shapes_it_does_not_handle(lib):
+    assert not ckernels.supports(8, 3, 64) and not ckernels.supports(8, 4, 40) and ckernels.supports(8, 4, 64)
+    buf = torch.zeros(64)
+    args = (buf.data_ptr(), 0, 8, buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), None, buf.data_ptr(), 1.0,
+            buf.data_ptr(), 0, 8, buf.data_ptr(), 1)
+    assert lib.posttrain_decode_attention(1, 4, 4, 40, 4, 0, *args) == -1   # head_dim not a multiple of 16
+    assert lib.posttrain_decode_attention(1, 4, 4, 32, 4, 4, *args) == -1   # slot beyond the capacity
+
+
+@pytest.mark.parametrize("hidden, in_dtype, out_dtype", [(128, torch.float32, torch.float32),
+                                                         (520, torch.bfloat16, torch.bfloat16),
+                                                         (72, torch.float32, torch.bfloat16)])
+def test_rms_norm_equals_the_pytorch_ops(lib, hidden, in_dtype, out_dtype):
+    g = torch.Generator().manual_seed(hidden)
+    h = (torch.randn(7, hidden, generator=g) * 3).to(in_dtype)
+    x = torch.empty(7, hidden, dtype=out_dtype)
+    assert lib.posttrain_rms_norm(7, hidden, h.data_ptr(), int(in_dtype == torch.bfloat16), 1e-6, x.data_ptr(),
+                                  int(out_dtype == torch.bfloat16), 2) == 0
+    h32 = h.float()
+    ref = (h32 * torch.rsqrt(h32.square().mean(-1, keepdim=True) + 1e-6)).to(out_dtype)
+    # fp32: ~1e-6 on values of size ~1; bf16 out: at most one bf16 ulp (2^-8 relative) from the reference's rounding
+    assert torch.allclose(x.float(), ref.float(), rtol=1e-5 if out_dtype == torch.float32 else 8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("inter, dtype", [(352, torch.float32), (1408, torch.bfloat16), (20, torch.float32)])
+def test_silu_mul_equals_the_pytorch_ops(lib, inter, dtype):
+    g = torch.Generator().manual_seed(inter)
+    gu = (torch.randn(5, 2 * inter, generator=g) * 4).to(dtype)
+    gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])                      # e^-|g| underflows; silu(0) = 0
+    act = torch.empty(5, inter, dtype=dtype)
+    assert lib.posttrain_silu_mul(5, inter, gu.data_ptr(), act.data_ptr(), int(dtype == torch.bfloat16), 2) == 0
+    gate, up = gu.float().chunk(2, -1)
+    ref = F.silu(gate.double()) * up.double()
+    # fp32: the polynomial exp's ~2e-7 relative error; bf16: one rounding of the product (2^-8 relative)
+    rtol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert torch.allclose(act.double(), ref, rtol=rtol, atol=1e-5)
+
+
+def test_the_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
+    first = ckernels.build()
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert ckernels.build() == first and first.stat().st_mtime_ns == mtime   # found, not rebuilt
+    generic = ckernels.build(generic=True)
+    assert generic != first                                              # other flags, another library
+    assert sorted(p.suffix for p in (tmp_path / "kernels").iterdir()) == [".so", ".so"]  # no temporary left
+
+
+def test_a_failed_build_names_the_compiler_and_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")                                    # a "compiler" that always fails
+    with pytest.raises(ckernels.BuildError, match="false"):
+        ckernels.build()
+    monkeypatch.setattr(ckernels, "_loaded", {})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert ckernels.decode_library() is None
+    assert any("C decode kernels are unavailable" in str(w.message) for w in seen)
+    assert not list((tmp_path / "kernels").glob("*.tmp")) and not list((tmp_path / "kernels").glob("*.c"))
+
+
+def test_the_kernels_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(ckernels.ENV_DISABLE, "0")
+    assert ckernels.decode_library() is None
