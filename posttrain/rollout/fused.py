@@ -24,13 +24,16 @@ Departures from the HF forward (numbered):
    HF's pairs (i, i + D/2) sit side by side; then x·cos + rotate_half(x)·sin is
    (x_i + i·x_{i+D/2})·(cos_i + i·sin_i). q·k is unchanged by permuting both the same way; the cache
    holds the permuted keys (only this forward reads it). cos/sin are tabulated once per `generate`.
-5. Attention runs in fp32 whatever the weight dtype (the KV cache is fp32): scores, softmax and the
-   value sum are three batched ops (`baddbmm` with the pad mask as its additive input, `softmax`,
-   `bmm`); GQA groups the query heads of one KV head into the rows of one small matmul (no repeat_kv).
-   Prefill (many new tokens) uses SDPA on the same tensors.
+5. Attention runs in fp32 whatever the weight dtype (the KV cache is fp32). In a decode step on a CPU
+   it is one C call per layer (`ckernels.py`: RoPE, the cache write, scores, masked softmax and the
+   value sum), as are the RMSNorms and silu(gate)·up; elsewhere, or with `decode_ops="torch"`, scores,
+   softmax and the value sum are three batched ops (`baddbmm` with the pad mask as its additive
+   input, `softmax`, `bmm`); GQA groups the query heads of one KV head into the rows of one small
+   matmul (no repeat_kv). Prefill (many new tokens) uses SDPA on the same tensors.
 6. Decode steps (one new token per row) run through a `DecodePlan`: every intermediate has a
    pre-allocated buffer and every view is built once, so a step allocates almost nothing; the
-   residual stream is updated in place (`addmm_`).
+   residual stream is updated in place (`addmm_`). With the C attention a plan can read each row's
+   keys and values at another cache row (`cache_rows`), so compaction copies no cache.
 7. No mask factory, no output capture, no decorators; only the last position's logits are computed.
 8. Optional weight dtype (e.g. bf16 weights for a fp32 policy): the fused copies are cast; norms and
    attention stay in fp32; logits are returned in fp32 either way.
