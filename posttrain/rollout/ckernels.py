@@ -7,7 +7,8 @@ per layer (two RoPE multiplies, a cache copy, `baddbmm`, `softmax`, `bmm`), and 
 each (row, KV head) as its own tiny product. `kernels/decode.c` does those six in one call (its
 header gives the layouts), an RMSNorm in one call instead of three to five, and SwiGLU's
 silu(gate)·up in one instead of two, reading and writing bf16 directly where the weights are bf16
-(no fp32 copies). On the 2-core AMD EPYC, 64 rows × tiny-30m's heads at 50 positions and 10 layers'
+(no fp32 copies). It also holds a bf16 matmul on AVX512-BF16 dot products over weights packed in
+blocks of 16 columns (`projections.Projection` kind `c`), which the tuner measures beside oneDNN's. On the 2-core AMD EPYC, 64 rows × tiny-30m's heads at 50 positions and 10 layers'
 caches, one layer's attention takes ~0.4–0.5 ms against ~0.8–0.9 ms for the six ops
 (benchmarks/README.md has the measurements).
 
@@ -101,6 +102,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.posttrain_rms_norm.restype = i
     lib.posttrain_silu_mul.argtypes = [i, i, p, p, i, i]
     lib.posttrain_silu_mul.restype = i
+    lib.posttrain_bf16_dot_path.restype = i
+    lib.posttrain_packed_bf16_elements.argtypes = [i, i]
+    lib.posttrain_packed_bf16_elements.restype = n
+    lib.posttrain_pack_bf16.argtypes = [i, i, p, p, i]
+    lib.posttrain_pack_bf16.restype = i
+    lib.posttrain_gemm_bf16.argtypes = [i, i, i, p, n, p, p, p, n, i, i]
+    lib.posttrain_gemm_bf16.restype = i
     return lib
 
 
@@ -116,6 +124,12 @@ def decode_library(generic: bool = False) -> ctypes.CDLL | None:
                           RuntimeWarning, stacklevel=2)
             _loaded[generic] = None
     return _loaded[generic]
+
+
+def bf16_gemm_library() -> ctypes.CDLL | None:
+    """The library, where its bf16 matmul runs on AVX512-BF16 dot products (the `c` projection form)."""
+    lib = decode_library()
+    return lib if lib is not None and lib.posttrain_bf16_dot_path() else None
 
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:

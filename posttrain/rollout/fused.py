@@ -239,7 +239,7 @@ class FusedWeights:
         cached = self._projections.get(kind)
         # mm, dnn: any rows (for dnn, rows is only a hint); mkl: pads up to the packed rows (repack only
         # below half of them). A compaction of the batch rebuilds the plan, not the weights.
-        if cached is not None and (cached[0] == rows or kind in ("mm", "dnn")
+        if cached is not None and (cached[0] == rows or kind in ("mm", "dnn", "c")
                                    or (kind == "mkl" and rows <= cached[0] < 2 * rows)):
             return cached[1], cached[2]
         layers = [_LayerProjections(qkv=Projection(lw.wqkv, lw.bqkv, kind, rows), o=Projection(lw.wo, lw.bo, kind, rows),
@@ -341,8 +341,9 @@ class FusedDecoder:
         w, hq, hkv, d = self.weights, self.heads, self.kv_heads, self.head_dim
         rows, q = ids.shape
         packed, head = None, None                                          # the decode step's packed projections
-        if decode_rows is not None and self._kind(decode_rows, ids.device) == "dnn":
-            packed, head = w.projections("dnn", decode_rows)               # packed now, reused by the plan
+        kind = None if decode_rows is None else self._kind(decode_rows, ids.device)
+        if kind in ("dnn", "c"):
+            packed, head = w.projections(kind, decode_rows)                # packed now, reused by the plan
         self._check_positions(positions)
         kv_len = cache.length + q
         real = key_mask[:, cache.length: kv_len].reshape(-1)               # (R·q,) the new tokens that are not pads

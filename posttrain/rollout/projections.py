@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from posttrain.rollout import ckernels
+
 
 def _mm(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
@@ -20,7 +22,7 @@ def _mm(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 # torch build lacks them, every projection runs as `torch.mm`.
 _HAS_MKL_PACK = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 _HAS_DNN_PACK = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-PROJECTION_KINDS = ("mm", "mkl", "dnn", "mv")
+PROJECTION_KINDS = ("mm", "mkl", "dnn", "mv", "c")
 PACK_MIN_BYTES = 16 << 20  # tiny-1m (4 MB in fp32) stays on `mm`, tiny-30m (118 MB) packs
 
 
@@ -64,7 +66,8 @@ class Projection:
     packed for exactly `rows` rows (MKL would fall back to `F.linear` for another count, so fewer rows
     are zero-padded up to `rows`: at these sizes the GEMM streams the weights whatever the row count,
     and repacking costs ~7 decode steps); `dnn`: oneDNN packed GEMM (`rows` is a hint only); `mv`:
-    matrix-vector on a (out, in) copy, for one row.
+    matrix-vector on a (out, in) copy, for one row; `c`: bf16 only, our C kernel (`ckernels.py`) on
+    weights packed in blocks of 16 columns, any rows, bias and residual add fused, one rounding.
     """
 
     def __init__(self, w: Tensor, b: Tensor | None, kind: str, rows: int):
@@ -79,9 +82,32 @@ class Projection:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
         elif kind == "dnn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        elif kind == "c":
+            self._lib = ckernels.bf16_gemm_library()
+            if self._lib is None or w.dtype != torch.bfloat16 or w.shape[1] % 2 or w.device.type != "cpu":
+                raise ValueError("Projection: kind='c' needs bf16 CPU weights with an even input size and the "
+                                 "C kernels built with AVX512-BF16 (ckernels.bf16_gemm_library)")
+            n, k = self.w.shape
+            self.packed = torch.empty(self._lib.posttrain_packed_bf16_elements(n, k), dtype=torch.bfloat16)
+            self._lib.posttrain_pack_bf16(n, k, self.w.data_ptr(), self.packed.data_ptr(), torch.get_num_threads())
+            self._shape, self._bias = (n, k), (None if b is None else b.to(torch.bfloat16).contiguous())
+
+    def _c(self, x: Tensor, out: Tensor, accumulate: bool) -> None:
+        """out (+)= x·Wᵀ + b by the C kernel; x and out bf16, rows contiguous."""
+        if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+            raise TypeError(f"Projection kind='c' multiplies bf16, got x {x.dtype}, out {out.dtype}")
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        n, k = self._shape
+        self._lib.posttrain_gemm_bf16(x.shape[0], n, k, x.data_ptr(), x.stride(0), self.packed.data_ptr(),
+                                      None if self._bias is None else self._bias.data_ptr(), out.data_ptr(),
+                                      out.stride(0), int(accumulate), torch.get_num_threads())
 
     def __call__(self, x: Tensor) -> Tensor:
         """x (R, in) → (R, out), a new tensor."""
+        if self.kind == "c":
+            out = x.new_empty(x.shape[0], self._shape[0])
+            self._c(x, out, False)
+            return out
         if self.kind == "mm":
             return _mm(x, self.w, self.b)
         if self.kind == "mkl":
@@ -101,7 +127,9 @@ class Projection:
 
     def into(self, x: Tensor, out: Tensor) -> None:
         """out ← x·W + b (out: (R, out) contiguous)."""
-        if self.kind == "mm":
+        if self.kind == "c":
+            self._c(x, out, False)
+        elif self.kind == "mm":
             if self.b is None:
                 torch.mm(x, self.w, out=out)
             else:
@@ -115,6 +143,9 @@ class Projection:
 
     def add_to(self, x: Tensor, h: Tensor) -> None:
         """h += x·W + b, in place (the residual stream)."""
+        if self.kind == "c":
+            self._c(x, h, True)
+            return
         if self.kind == "mm":
             h.addmm_(x, self.w)
         elif self.kind == "mv":

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from posttrain.rollout import ckernels
 from posttrain.rollout.projections import (
     _HAS_DNN_PACK,
     _HAS_MKL_PACK,
@@ -65,6 +66,8 @@ def candidates(dtype: torch.dtype, rows: int) -> list[str]:
         kinds.append("dnn")
     if rows == 1:
         kinds.append("mv")
+    if dtype == torch.bfloat16 and ckernels.bf16_gemm_library() is not None:
+        kinds.append("c")
     return kinds
 
 
@@ -143,7 +146,10 @@ def tuned_kind(weights: FusedWeights, dtype: torch.dtype, rows: int, device: tor
         return _memo[key]
     entry = _read_cache().get(key)
     kind = entry.get("kind") if isinstance(entry, dict) else None
-    if kind not in kinds or entry.get("method") != METHOD:  # a choice made by an older `measure` is made again
+    measured = entry.get("us_per_pass") if isinstance(entry, dict) else None
+    # made again: a choice by an older `measure`, or among other forms than this build offers (a new one)
+    if kind not in kinds or entry.get("method") != METHOD or not isinstance(measured, dict) \
+            or set(measured) != set(kinds):
         seconds = measure(weights, kinds, bucket)
         fastest = min(seconds, key=seconds.get)
         kind = static if seconds.get(static, math.inf) <= seconds[fastest] * (1 + MARGIN) else fastest

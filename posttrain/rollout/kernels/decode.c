@@ -340,3 +340,132 @@ int posttrain_silu_mul(int rows, int inter, const void *gu, void *act, int bf16,
     }
     return 0;
 }
+
+/* ---- bf16 matmul for the decode step's projections: y = x·Wᵀ (+ b) (+ y) ------------------------------
+ * W (n, k) bf16 is packed once per weight build into blocks of 16 output columns, each block k/2
+ * pairs deep: packed[((n / 16)·(k/2) + k/2-index)·32 + (n % 16)·2 + k % 2] (zero columns pad n up to
+ * a multiple of 16). One AVX512-BF16 dot-product instruction then multiplies a pair of x's elements,
+ * broadcast, by the same pair of 16 columns, accumulating in fp32; up to 16 rows of x share each
+ * weight load, so a block of weights is read from memory once per call and from cache for more rows.
+ * Threads split the column blocks. The result is rounded to bf16 once (after the bias and, with
+ * `accumulate`, the residual it is added to). Requires k even. Without AVX512-BF16 the same layout is
+ * multiplied by plain C (for tests; the tuner does not offer it there). */
+#if USE_AVX512 && defined(__AVX512BF16__)
+#define USE_BF16_DOT 1
+#else
+#define USE_BF16_DOT 0
+#endif
+
+int posttrain_bf16_dot_path(void) {
+    return USE_BF16_DOT;
+}
+
+long posttrain_packed_bf16_elements(int n, int k) {
+    return (long)((n + 15) / 16) * 16 * k;
+}
+
+int posttrain_pack_bf16(int n, int k, const uint16_t *w, uint16_t *packed, int threads) {
+    if (k % 2) return -1;
+    const int blocks = (n + 15) / 16, pairs = k / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int b = 0; b < blocks; b++) {
+        uint16_t *dst = packed + (long)b * pairs * 32;
+        for (int j = 0; j < 16; j++) {
+            const int col = b * 16 + j;
+            const uint16_t *src = w + (long)col * k;
+            for (int p = 0; p < pairs; p++) {
+                dst[(long)p * 32 + 2 * j] = col < n ? src[2 * p] : 0;
+                dst[(long)p * 32 + 2 * j + 1] = col < n ? src[2 * p + 1] : 0;
+            }
+        }
+    }
+    return 0;
+}
+
+#if USE_BF16_DOT
+#ifndef WEIGHT_PREFETCH
+#define WEIGHT_PREFETCH 64 /* pairs ahead (4 KB of a block); 16 and 32 measured slower on the AMD EPYC */
+#endif
+/* rows R (≤ 8, a compile-time constant after inlining) × `nb` (1 or 2) blocks of 16 columns: each
+ * broadcast pair of x feeds 2 dot products, each weight load R */
+static inline __attribute__((always_inline)) void gemm_block(const int R, const int nb, int pairs, const uint16_t *x,
+                                                              long x_stride, const uint16_t *wb, long w_step, __m512 *acc) {
+#pragma GCC unroll 16
+    for (int m = 0; m < 2 * R; m++) acc[m] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        _mm_prefetch((const char *)(wb + (long)(p + WEIGHT_PREFETCH) * 32), _MM_HINT_T0);
+        if (nb > 1) _mm_prefetch((const char *)(wb + w_step + (long)(p + WEIGHT_PREFETCH) * 32), _MM_HINT_T0);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wb + (long)p * 32));
+        const __m512bh w1 = nb > 1 ? (__m512bh)_mm512_loadu_si512((const void *)(wb + w_step + (long)p * 32)) : w0;
+#pragma GCC unroll 8
+        for (int m = 0; m < R; m++) {
+            int32_t pair;
+            memcpy(&pair, x + m * x_stride + 2 * p, sizeof pair);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[m] = _mm512_dpbf16_ps(acc[m], xb, w0);
+            if (nb > 1) acc[R + m] = _mm512_dpbf16_ps(acc[R + m], xb, w1);
+        }
+    }
+}
+
+static void gemm_rows(int R, int nb, int pairs, const uint16_t *x, long x_stride, const uint16_t *wb, long w_step,
+                      __m512 *acc) {
+#define CASE(r)                                                          \
+    case r:                                                              \
+        if (nb > 1) gemm_block(r, 2, pairs, x, x_stride, wb, w_step, acc); \
+        else gemm_block(r, 1, pairs, x, x_stride, wb, w_step, acc);        \
+        break;
+    switch (R) { /* one specialisation per row count, so the accumulators stay in registers */
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+        default: break;
+    }
+#undef CASE
+}
+#endif
+
+int posttrain_gemm_bf16(int rows, int n, int k, const uint16_t *x, long x_stride, const uint16_t *packed,
+                        const uint16_t *bias, uint16_t *out, long out_stride, int accumulate, int threads) {
+    if (k % 2) return -1;
+    const int blocks = (n + 15) / 16, pairs = k / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int b = 0; b < blocks; b++) {
+        const uint16_t *wb = packed + (long)b * pairs * 32;
+        const int cols = n - b * 16 < 16 ? n - b * 16 : 16;
+#if USE_BF16_DOT
+        if (b % 2) continue;                                   /* blocks go in pairs; b is the pair's first */
+        const int nb = b + 1 < blocks ? 2 : 1;
+        const long w_step = (long)pairs * 32;
+        for (int r0 = 0; r0 < rows; r0 += 8) {
+            const int R = rows - r0 < 8 ? rows - r0 : 8;
+            __m512 acc[16];
+            gemm_rows(R, nb, pairs, x + (long)r0 * x_stride, x_stride, wb, w_step, acc);
+            for (int q = 0; q < nb; q++) {
+                const int c = n - (b + q) * 16 < 16 ? n - (b + q) * 16 : 16;
+                const __mmask16 live = (__mmask16)(c == 16 ? 0xffffu : (1u << c) - 1u);
+                const __m512 bv = bias ? load16(bias, (long)(b + q) * 16, 1, c) : _mm512_setzero_ps();
+                for (int m = 0; m < R; m++) {
+                    uint16_t *o = out + (long)(r0 + m) * out_stride + (long)(b + q) * 16;
+                    __m512 y = _mm512_add_ps(acc[q * R + m], bv);
+                    if (accumulate) y = _mm512_add_ps(y, load16(o, 0, 1, c));
+                    _mm256_mask_storeu_epi16(o, live, (__m256i)_mm512_cvtneps_pbh(y));
+                }
+            }
+        }
+        (void)cols;
+#else
+        for (int m = 0; m < rows; m++) {
+            for (int j = 0; j < cols; j++) {
+                float s = 0.0f;
+                for (int p = 0; p < pairs; p++)
+                    s += bf16_to_f32(x[(long)m * x_stride + 2 * p]) * bf16_to_f32(wb[(long)p * 32 + 2 * j])
+                       + bf16_to_f32(x[(long)m * x_stride + 2 * p + 1]) * bf16_to_f32(wb[(long)p * 32 + 2 * j + 1]);
+                uint16_t *o = out + (long)m * out_stride + (long)b * 16 + j;
+                if (bias) s += bf16_to_f32(bias[(long)b * 16 + j]);
+                if (accumulate) s += bf16_to_f32(*o);
+                *o = f32_to_bf16(s);
+            }
+        }
+#endif
+    }
+    return 0;
+}
