@@ -108,23 +108,29 @@ def test_silu_mul_equals_the_pytorch_ops(lib, inter, dtype):
     assert torch.allclose(act.double(), ref, rtol=rtol, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, n, k, bias, accumulate", [(1, 40, 48, False, False), (8, 64, 512, True, False),
                                                       (13, 300, 96, True, True), (64, 33, 2, False, True)])
-def test_bf16_gemm_equals_the_product(lib, rows, n, k, bias, accumulate):
-    """The packed bf16 matmul (the `c` projection form), both builds: y (+)= x·Wᵀ + b, one rounding."""
+def test_packed_gemm_equals_the_product(lib, rows, n, k, bias, accumulate, dtype):
+    """The packed matmuls (the `c` projection form), both builds: y (+)= x·Wᵀ + b."""
     g = torch.Generator().manual_seed(rows + n)
-    w = torch.randn(n, k, generator=g).bfloat16()
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
-    out = torch.randn(rows, n, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    out = torch.randn(rows, n, generator=g).to(dtype)
     start = out.clone()
-    packed = torch.empty(lib.posttrain_packed_bf16_elements(n, k), dtype=torch.bfloat16)
-    assert lib.posttrain_pack_bf16(n, k, w.data_ptr(), packed.data_ptr(), 2) == 0
-    assert lib.posttrain_gemm_bf16(rows, n, k, x.data_ptr(), k, packed.data_ptr(), None if b is None else b.data_ptr(),
-                                   out.data_ptr(), n, int(accumulate), 2) == 0
+    name = "bf16" if dtype == torch.bfloat16 else "f32"
+    packed = torch.empty(getattr(lib, f"posttrain_packed_{name}_elements")(n, k), dtype=dtype)
+    assert getattr(lib, f"posttrain_pack_{name}")(n, k, w.data_ptr(), packed.data_ptr(), 2) == 0
+    assert getattr(lib, f"posttrain_gemm_{name}")(rows, n, k, x.data_ptr(), k, packed.data_ptr(),
+                                                  None if b is None else b.data_ptr(), out.data_ptr(), n,
+                                                  int(accumulate), 2) == 0
     ref = x.double() @ w.double().T + (0 if b is None else b.double()) + (start.double() if accumulate else 0)
-    # exact products of bf16 values summed in fp32, then one bf16 rounding: 2^-8 relative + fp32 sums
-    assert torch.allclose(out.double(), ref, rtol=2 ** -8, atol=1e-3 * k ** 0.5)
+    # fp32 sums of k products: ~1e-6·√k; bf16: exact products summed in fp32, then one rounding (2^-8 relative)
+    if dtype == torch.float32:
+        assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    else:
+        assert torch.allclose(out.double(), ref, rtol=2 ** -8, atol=1e-3 * k ** 0.5)
 
 
 def test_the_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch):

@@ -36,10 +36,11 @@ def test_pair_halves_puts_each_rotary_pair_side_by_side():
 
 @pytest.mark.parametrize("kind, dtype", [("mm", torch.float32), ("mm", torch.bfloat16), ("mkl", torch.float32),
                                          ("dnn", torch.float32), ("dnn", torch.bfloat16),
-                                         ("mv", torch.float32), ("mv", torch.bfloat16), ("c", torch.bfloat16)])
+                                         ("mv", torch.float32), ("mv", torch.bfloat16), ("c", torch.float32),
+                                         ("c", torch.bfloat16)])
 def test_every_projection_kind_computes_the_linear_product(kind, dtype):
-    if kind == "c" and ckernels.bf16_gemm_library() is None:
-        pytest.skip("this CPU has no AVX512-BF16 (the c form's kernel); tests/test_rollout_ckernels.py covers its C loops")
+    if kind == "c" and ckernels.gemm_library(dtype) is None:
+        pytest.skip("this CPU lacks the c form's vector code; tests/test_rollout_ckernels.py covers its C loops")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 48, generator=g).to(dtype)                    # (out, in), HF's layout
     b = torch.randn(40, generator=g).to(dtype)
@@ -91,13 +92,14 @@ def test_projection_kind_picks_packing_only_for_large_cpu_weights():
     ("llama", "tiny-1m", torch.bfloat16, "dnn", 130),
     ("llama", "tiny-1m", torch.bfloat16, "mv", 1),
     ("llama", "tiny-4m", torch.bfloat16, "c", 3),     # our bf16 GEMM (AVX512-BF16), GQA
+    ("llama", "tiny-1m", torch.float32, "c", 64),     # our fp32 GEMM (AVX-512), 8 blocks of 8 rows
     ("qwen2", "tiny-1m", torch.bfloat16, "c", 130),   # its biases; 130 rows: 16 blocks of 8 and a partial one
 ])
 def test_decode_plan_equals_the_many_token_forward(tok, arch, preset, dtype, kind, rows, decode_ops):
     """Prefill 5 tokens, then one token by the plan vs the same token by `FusedDecoder.__call__` (q = 1),
     with the step's non-matmul work as PyTorch ops, as the C kernels, and as their plain-C loops."""
-    if kind == "c" and ckernels.bf16_gemm_library() is None:
-        pytest.skip("this CPU has no AVX512-BF16 (the c form's kernel)")
+    if kind == "c" and ckernels.gemm_library(dtype) is None:
+        pytest.skip("this CPU lacks the c form's vector code")
     model = build_tiny(preset, vocab_size=len(tok), arch=arch, seed=0).eval().to(dtype)
     dec = FusedDecoder(model, matmul=kind, compute=dtype, decode_ops=decode_ops)  # bf16 arithmetic, not widened
     dec.prepare(16, torch.device("cpu"))

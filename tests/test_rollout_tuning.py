@@ -85,17 +85,23 @@ def test_static_choice_kept_within_the_margin(weights, monkeypatch):
     assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == static
 
 
-def test_no_measurement_for_cached_weights_other_devices_or_when_off(weights, monkeypatch):
+def test_no_measurement_on_other_devices_or_when_off(weights, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("measured")
     monkeypatch.setattr(tuning, "measure", refuse)
     big = weights.nbytes
-    weights.nbytes = 1 << 20                                               # cache-resident: the static `mm`
-    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == projection_kind(torch.float32, 8, CPU, weights.nbytes)
-    weights.nbytes = big
     assert tuning.tuned_kind(weights, torch.float32, 8, torch.device("meta")) == "mm"
     monkeypatch.setenv(tuning.ENV_TUNE, "0")
     assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == projection_kind(torch.float32, 8, CPU, big)
+
+
+def test_cache_resident_weights_are_measured_too(weights, monkeypatch):
+    """Small weights were left on the static `mm`; since our packed matmul beats MKL there, they are measured."""
+    weights.nbytes = 1 << 20
+    calls: list = []
+    monkeypatch.setattr(tuning, "measure", fake_measure({k: 1.0 for k in tuning.candidates(torch.float32, 8)}
+                                                        | {"mm": 2.0}, calls))
+    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) != "mm" and calls
 
 
 def test_measure_times_every_candidate_on_the_real_weights(weights):

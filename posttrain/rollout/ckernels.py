@@ -7,8 +7,9 @@ per layer (two RoPE multiplies, a cache copy, `baddbmm`, `softmax`, `bmm`), and 
 each (row, KV head) as its own tiny product. `kernels/decode.c` does those six in one call (its
 header gives the layouts), an RMSNorm in one call instead of three to five, and SwiGLU's
 silu(gate)·up in one instead of two, reading and writing bf16 directly where the weights are bf16
-(no fp32 copies). It also holds a bf16 matmul on AVX512-BF16 dot products over weights packed in
-blocks of 16 columns (`projections.Projection` kind `c`), which the tuner measures beside oneDNN's. On the 2-core AMD EPYC, 64 rows × tiny-30m's heads at 50 positions and 10 layers'
+(no fp32 copies). It also holds matmuls over weights packed in blocks of 16 columns — bf16 on
+AVX512-BF16 dot products, fp32 on AVX-512 FMAs (`projections.Projection` kind `c`) — which the tuner
+measures beside MKL's and oneDNN's. On the 2-core AMD EPYC, 64 rows × tiny-30m's heads at 50 positions and 10 layers'
 caches, one layer's attention takes ~0.4–0.5 ms against ~0.8–0.9 ms for the six ops
 (benchmarks/README.md has the measurements).
 
@@ -30,6 +31,8 @@ import subprocess
 import warnings
 from importlib import resources
 from pathlib import Path
+
+import torch
 
 from posttrain.telemetry.devices import cache_dir, cpu_name
 
@@ -109,6 +112,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.posttrain_pack_bf16.restype = i
     lib.posttrain_gemm_bf16.argtypes = [i, i, i, p, n, p, p, p, n, i, i]
     lib.posttrain_gemm_bf16.restype = i
+    lib.posttrain_packed_f32_elements.argtypes = [i, i]
+    lib.posttrain_packed_f32_elements.restype = n
+    lib.posttrain_pack_f32.argtypes = [i, i, p, p, i]
+    lib.posttrain_pack_f32.restype = i
+    lib.posttrain_gemm_f32.argtypes = [i, i, i, p, n, p, p, p, n, i, i]
+    lib.posttrain_gemm_f32.restype = i
     return lib
 
 
@@ -126,10 +135,14 @@ def decode_library(generic: bool = False) -> ctypes.CDLL | None:
     return _loaded[generic]
 
 
-def bf16_gemm_library() -> ctypes.CDLL | None:
-    """The library, where its bf16 matmul runs on AVX512-BF16 dot products (the `c` projection form)."""
+def gemm_library(dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The library, where its matmul for `dtype` weights is vector code (the `c` projection form): fp32 on
+    AVX-512, bf16 on AVX512-BF16 dot products; else None (the plain-C loops are for tests only)."""
     lib = decode_library()
-    return lib if lib is not None and lib.posttrain_bf16_dot_path() else None
+    if lib is None or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    fast = lib.posttrain_bf16_dot_path() if dtype == torch.bfloat16 else lib.posttrain_vector_path()
+    return lib if fast else None
 
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -66,8 +66,8 @@ class Projection:
     packed for exactly `rows` rows (MKL would fall back to `F.linear` for another count, so fewer rows
     are zero-padded up to `rows`: at these sizes the GEMM streams the weights whatever the row count,
     and repacking costs ~7 decode steps); `dnn`: oneDNN packed GEMM (`rows` is a hint only); `mv`:
-    matrix-vector on a (out, in) copy, for one row; `c`: bf16 only, our C kernel (`ckernels.py`) on
-    weights packed in blocks of 16 columns, any rows, bias and residual add fused, one rounding.
+    matrix-vector on a (out, in) copy, for one row; `c`: fp32 or bf16, our C kernel (`ckernels.py`) on
+    weights packed in blocks of 16 columns, any rows, bias and residual add fused (bf16: one rounding).
     """
 
     def __init__(self, w: Tensor, b: Tensor | None, kind: str, rows: int):
@@ -83,24 +83,28 @@ class Projection:
         elif kind == "dnn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
         elif kind == "c":
-            self._lib = ckernels.bf16_gemm_library()
-            if self._lib is None or w.dtype != torch.bfloat16 or w.shape[1] % 2 or w.device.type != "cpu":
-                raise ValueError("Projection: kind='c' needs bf16 CPU weights with an even input size and the "
-                                 "C kernels built with AVX512-BF16 (ckernels.bf16_gemm_library)")
+            self._lib = ckernels.gemm_library(w.dtype)
+            if self._lib is None or w.device.type != "cpu" or (w.dtype == torch.bfloat16 and w.shape[1] % 2):
+                raise ValueError(f"Projection: kind='c' needs fp32 or bf16 CPU weights (bf16: an even input size) "
+                                 f"and the C kernels' vector code for them (ckernels.gemm_library); got {w.dtype}")
             n, k = self.w.shape
-            self.packed = torch.empty(self._lib.posttrain_packed_bf16_elements(n, k), dtype=torch.bfloat16)
-            self._lib.posttrain_pack_bf16(n, k, self.w.data_ptr(), self.packed.data_ptr(), torch.get_num_threads())
-            self._shape, self._bias = (n, k), (None if b is None else b.to(torch.bfloat16).contiguous())
+            bf16 = w.dtype == torch.bfloat16
+            size = (self._lib.posttrain_packed_bf16_elements if bf16 else self._lib.posttrain_packed_f32_elements)(n, k)
+            self.packed = torch.empty(size, dtype=w.dtype)
+            (self._lib.posttrain_pack_bf16 if bf16 else self._lib.posttrain_pack_f32)(
+                n, k, self.w.data_ptr(), self.packed.data_ptr(), torch.get_num_threads())
+            self._gemm = self._lib.posttrain_gemm_bf16 if bf16 else self._lib.posttrain_gemm_f32
+            self._shape, self._bias = (n, k), (None if b is None else b.to(w.dtype).contiguous())
 
     def _c(self, x: Tensor, out: Tensor, accumulate: bool) -> None:
-        """out (+)= x·Wᵀ + b by the C kernel; x and out bf16, rows contiguous."""
-        if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
-            raise TypeError(f"Projection kind='c' multiplies bf16, got x {x.dtype}, out {out.dtype}")
+        """out (+)= x·Wᵀ + b by the C kernel; x and out in the weight's dtype, rows contiguous."""
+        if x.dtype != self.packed.dtype or out.dtype != self.packed.dtype or out.stride(-1) != 1:
+            raise TypeError(f"Projection kind='c' multiplies {self.packed.dtype}, got x {x.dtype}, out {out.dtype}")
         x = x if x.stride(-1) == 1 else x.contiguous()
         n, k = self._shape
-        self._lib.posttrain_gemm_bf16(x.shape[0], n, k, x.data_ptr(), x.stride(0), self.packed.data_ptr(),
-                                      None if self._bias is None else self._bias.data_ptr(), out.data_ptr(),
-                                      out.stride(0), int(accumulate), torch.get_num_threads())
+        self._gemm(x.shape[0], n, k, x.data_ptr(), x.stride(0), self.packed.data_ptr(),
+                   None if self._bias is None else self._bias.data_ptr(), out.data_ptr(), out.stride(0),
+                   int(accumulate), torch.get_num_threads())
 
     def __call__(self, x: Tensor) -> Tensor:
         """x (R, in) → (R, out), a new tensor."""

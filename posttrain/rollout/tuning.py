@@ -16,8 +16,10 @@ The choice is remembered per process and on disk (`$POSTTRAIN_CACHE_DIR` or ~/.c
 two) and weight shapes: every later run on this machine makes the same choice, so its round-off — and
 with it a resumed run's samples — does not depend on one noisy measurement. A measurement costs one
 packing of the weights per candidate per round and a few passes (0.4–1.6 s for tiny-30m, once).
-Cache-resident weights (under `projections.PACK_MIN_BYTES`) and non-CPU devices keep the static choice;
-`POSTTRAIN_MATMUL_TUNE=0` turns measuring off everywhere.
+Non-CPU devices keep the static choice; `POSTTRAIN_MATMUL_TUNE=0` turns measuring off everywhere.
+Cache-resident weights (under `projections.PACK_MIN_BYTES`) were left on the static `mm` until our
+own packed matmul (form `c`, `ckernels.py`) beat MKL there too (tiny-1m's shapes at 64 rows, 2
+threads: 12–56 µs against 15–80 µs), so they are measured as well (~0.1 s for tiny-1m).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from posttrain.rollout import ckernels
 from posttrain.rollout.projections import (
     _HAS_DNN_PACK,
     _HAS_MKL_PACK,
-    PACK_MIN_BYTES,
     Projection,
     projection_kind,
 )
@@ -66,7 +67,7 @@ def candidates(dtype: torch.dtype, rows: int) -> list[str]:
         kinds.append("dnn")
     if rows == 1:
         kinds.append("mv")
-    if dtype == torch.bfloat16 and ckernels.bf16_gemm_library() is not None:
+    if ckernels.gemm_library(dtype) is not None:
         kinds.append("c")
     return kinds
 
@@ -132,10 +133,10 @@ def measure(weights: FusedWeights, kinds: list[str], rows: int, rounds: int = 4,
 
 
 def tuned_kind(weights: FusedWeights, dtype: torch.dtype, rows: int, device: torch.device) -> str:
-    """The decode-matmul form for `rows` rows of these weights: measured (once per machine) on a CPU for
-    weights that stream from memory; else `projection_kind`'s static choice."""
+    """The decode-matmul form for `rows` rows of these weights: measured (once per machine) on a CPU;
+    else `projection_kind`'s static choice."""
     static = projection_kind(dtype, rows, device, weights.nbytes)
-    if device.type != "cpu" or weights.nbytes < PACK_MIN_BYTES or os.environ.get(ENV_TUNE) == "0":
+    if device.type != "cpu" or os.environ.get(ENV_TUNE) == "0":
         return static
     bucket = rows_bucket(rows)
     kinds = candidates(dtype, bucket)

@@ -43,6 +43,10 @@
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP 64
 #define PREFETCH_ROWS 8 /* keys/values this many positions ahead are prefetched (AVX-512 path) */
+#ifndef WEIGHT_PREFETCH
+#define WEIGHT_PREFETCH 64 /* the matmuls prefetch this many k-steps (4 KB) of a column block ahead; 16
+                              and 32 measured slower on the AMD EPYC */
+#endif
 
 static inline float bf16_to_f32(uint16_t b) {
     union { uint32_t u; float f; } v;
@@ -383,9 +387,6 @@ int posttrain_pack_bf16(int n, int k, const uint16_t *w, uint16_t *packed, int t
 }
 
 #if USE_BF16_DOT
-#ifndef WEIGHT_PREFETCH
-#define WEIGHT_PREFETCH 64 /* pairs ahead (4 KB of a block); 16 and 32 measured slower on the AMD EPYC */
-#endif
 /* rows R (≤ 8, a compile-time constant after inlining) × `nb` (1 or 2) blocks of 16 columns: each
  * broadcast pair of x feeds 2 dot products, each weight load R */
 static inline __attribute__((always_inline)) void gemm_block(const int R, const int nb, int pairs, const uint16_t *x,
@@ -467,5 +468,106 @@ int posttrain_gemm_bf16(int rows, int n, int k, const uint16_t *x, long x_stride
         }
 #endif
     }
+    return 0;
+}
+
+/* ---- fp32 matmul, the same scheme: y = x·Wᵀ (+ b) (+ y) -------------------------------------------------
+ * W (n, k) fp32 packed in blocks of 16 output columns: packed[((n / 16)·k + k-index)·16 + n % 16]. One
+ * FMA multiplies a broadcast element of x by 16 columns; up to 8 rows share each weight load, two
+ * column blocks at a time. Without AVX-512 the same layout is multiplied by plain C. */
+long posttrain_packed_f32_elements(int n, int k) {
+    return (long)((n + 15) / 16) * 16 * k;
+}
+
+int posttrain_pack_f32(int n, int k, const float *w, float *packed, int threads) {
+    const int blocks = (n + 15) / 16;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int b = 0; b < blocks; b++) {
+        float *dst = packed + (long)b * k * 16;
+        for (int j = 0; j < 16; j++) {
+            const int col = b * 16 + j;
+            for (int i = 0; i < k; i++) dst[(long)i * 16 + j] = col < n ? w[(long)col * k + i] : 0.0f;
+        }
+    }
+    return 0;
+}
+
+#if USE_AVX512
+static inline __attribute__((always_inline)) void gemm_f32_block(const int R, const int nb, int k, const float *x,
+                                                                  long x_stride, const float *wb, long w_step,
+                                                                  __m512 *acc) {
+#pragma GCC unroll 16
+    for (int m = 0; m < 2 * R; m++) acc[m] = _mm512_setzero_ps();
+    for (int i = 0; i < k; i++) {
+        _mm_prefetch((const char *)(wb + (long)(i + WEIGHT_PREFETCH) * 16), _MM_HINT_T0);
+        if (nb > 1) _mm_prefetch((const char *)(wb + w_step + (long)(i + WEIGHT_PREFETCH) * 16), _MM_HINT_T0);
+        const __m512 w0 = _mm512_loadu_ps(wb + (long)i * 16);
+        const __m512 w1 = nb > 1 ? _mm512_loadu_ps(wb + w_step + (long)i * 16) : w0;
+#pragma GCC unroll 8
+        for (int m = 0; m < R; m++) {
+            const __m512 xb = _mm512_set1_ps(x[m * x_stride + i]);
+            acc[m] = _mm512_fmadd_ps(xb, w0, acc[m]);
+            if (nb > 1) acc[R + m] = _mm512_fmadd_ps(xb, w1, acc[R + m]);
+        }
+    }
+}
+
+static void gemm_f32_rows(int R, int nb, int k, const float *x, long x_stride, const float *wb, long w_step,
+                          __m512 *acc) {
+#define CASE(r)                                                                \
+    case r:                                                                    \
+        if (nb > 1) gemm_f32_block(r, 2, k, x, x_stride, wb, w_step, acc);     \
+        else gemm_f32_block(r, 1, k, x, x_stride, wb, w_step, acc);            \
+        break;
+    switch (R) {
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+        default: break;
+    }
+#undef CASE
+}
+#endif
+
+int posttrain_gemm_f32(int rows, int n, int k, const float *x, long x_stride, const float *packed,
+                       const float *bias, float *out, long out_stride, int accumulate, int threads) {
+    const int blocks = (n + 15) / 16;
+#if USE_AVX512
+    const int pairs_of_blocks = (blocks + 1) / 2;
+    const long w_step = (long)k * 16;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int pb = 0; pb < pairs_of_blocks; pb++) {
+        const int b = 2 * pb, nb = b + 1 < blocks ? 2 : 1;
+        const float *wb = packed + (long)b * k * 16;
+        for (int r0 = 0; r0 < rows; r0 += 8) {
+            const int R = rows - r0 < 8 ? rows - r0 : 8;
+            __m512 acc[16];
+            gemm_f32_rows(R, nb, k, x + (long)r0 * x_stride, x_stride, wb, w_step, acc);
+            for (int q = 0; q < nb; q++) {
+                const int c = n - (b + q) * 16 < 16 ? n - (b + q) * 16 : 16;
+                const __mmask16 live = (__mmask16)(c == 16 ? 0xffffu : (1u << c) - 1u);
+                const __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + (long)(b + q) * 16) : _mm512_setzero_ps();
+                for (int m = 0; m < R; m++) {
+                    float *o = out + (long)(r0 + m) * out_stride + (long)(b + q) * 16;
+                    __m512 y = _mm512_add_ps(acc[q * R + m], bv);
+                    if (accumulate) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(live, o));
+                    _mm512_mask_storeu_ps(o, live, y);
+                }
+            }
+        }
+    }
+#else
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int b = 0; b < blocks; b++) {
+        const float *wb = packed + (long)b * k * 16;
+        const int cols = n - b * 16 < 16 ? n - b * 16 : 16;
+        for (int m = 0; m < rows; m++) {
+            for (int j = 0; j < cols; j++) {
+                float s = 0.0f;
+                for (int i = 0; i < k; i++) s += x[(long)m * x_stride + i] * wb[(long)i * 16 + j];
+                float *o = out + (long)m * out_stride + (long)b * 16 + j;
+                *o = s + (bias ? bias[(long)b * 16 + j] : 0.0f) + (accumulate ? *o : 0.0f);
+            }
+        }
+    }
+#endif
     return 0;
 }
