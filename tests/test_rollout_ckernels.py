@@ -21,8 +21,9 @@ def lib(request):
     return got
 
 
-def _attention_reference(qkv, rot, k, v, key_mask, slot, hq, hkv, d, scaling):
-    """What DecodePlan's PyTorch ops compute: RoPE on adjacent pairs, then masked softmax attention."""
+def _attention_reference(qkv, rot, k, v, key_mask, slot, hq, hkv, d, scaling, rounded=False):
+    """What DecodePlan's PyTorch ops compute: RoPE on adjacent pairs, then masked softmax attention.
+    `rounded`: k and v already hold the new slot (as a bf16 cache stores it); it is not overwritten."""
     rows = qkv.shape[0]
     heads = qkv.float().view(rows, hq + 2 * hkv, d // 2, 2)
     c, s = rot[..., 0][:, None], rot[..., 1][:, None]                  # (R, 1, D/2)
@@ -30,7 +31,8 @@ def _attention_reference(qkv, rot, k, v, key_mask, slot, hq, hkv, d, scaling):
     rotated = torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2)  # (R, heads, D)
     q, k_new, v_new = rotated[:, :hq], rotated[:, hq:hq + hkv], heads[:, hq + hkv:].flatten(-2)
     k, v = k.clone(), v.clone()
-    k[:, :, slot], v[:, :, slot] = k_new, v_new
+    if not rounded:
+        k[:, :, slot], v[:, :, slot] = k_new, v_new
     keys = k[:, :, : slot + 1].repeat_interleave(hq // hkv, 1)         # (R, Hq, S, D)
     values = v[:, :, : slot + 1].repeat_interleave(hq // hkv, 1)
     scores = torch.einsum("rhd,rhsd->rhs", q.double(), keys.double()) * scaling
@@ -46,34 +48,39 @@ def _attention_reference(qkv, rot, k, v, key_mask, slot, hq, hkv, d, scaling):
     (4, 8, 4, 64, 33, torch.bfloat16),   # bf16 projections in, bf16 attention out
     (1, 2, 1, 128, 0, torch.float32),    # one row, the first slot: attends to itself only
 ])
-def test_decode_attention_equals_the_pytorch_ops(lib, rows, hq, hkv, d, slot, dtype):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_the_pytorch_ops(lib, rows, hq, hkv, d, slot, dtype, kv_dtype):
     g = torch.Generator().manual_seed(rows * 100 + d)
     cap = slot + 3
     qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=g).to(dtype)
     angle = torch.rand(rows, d // 2, generator=g) * 6.3
     rot = torch.stack([angle.cos(), angle.sin()], -1).contiguous()     # (R, D/2, 2)
-    k = torch.randn(rows, hkv, cap, d, generator=g)
-    v = torch.randn(rows, hkv, cap, d, generator=g)
+    k = torch.randn(rows, hkv, cap, d, generator=g).to(kv_dtype)
+    v = torch.randn(rows, hkv, cap, d, generator=g).to(kv_dtype)
     key_mask = torch.ones(rows, cap, dtype=torch.bool)
     key_mask[0, : min(3, slot)] = False                                 # row 0: left pads
-    ref, k_ref, v_ref = _attention_reference(qkv, rot, k, v, key_mask, slot, hq, hkv, d, d ** -0.5)
+    ref, k_ref, v_ref = _attention_reference(qkv, rot, k.float(), v.float(), key_mask, slot, hq, hkv, d, d ** -0.5)
+    if kv_dtype == torch.bfloat16:                                      # what a bf16 cache holds: the new key rounded
+        k_ref[:, :, slot], v_ref[:, :, slot] = k_ref[:, :, slot].bfloat16().float(), v_ref[:, :, slot].bfloat16().float()
+        ref = _attention_reference(qkv, rot, k_ref, v_ref, key_mask, slot, hq, hkv, d, d ** -0.5, rounded=True)[0]
     bias = torch.zeros(rows, cap).masked_fill_(~key_mask, float("-inf"))
     out = torch.full((rows, hq * d), float("nan")).to(dtype)
     scratch = torch.empty(2, lib.posttrain_scratch_floats(hq // hkv, cap, d))
     bf16 = int(dtype == torch.bfloat16)
     assert lib.posttrain_decode_attention(rows, hq, hkv, d, cap, slot, qkv.data_ptr(), bf16, qkv.shape[1],
-                                          rot.data_ptr(), k.data_ptr(), v.data_ptr(), None, bias.data_ptr(),
+                                          rot.data_ptr(), k.data_ptr(), v.data_ptr(), int(kv_dtype == torch.bfloat16),
+                                          None, bias.data_ptr(),
                                           d ** -0.5, out.data_ptr(), bf16, out.shape[1], scratch.data_ptr(), 2) == 0
     # fp32: another summation order → ~1e-6 on outputs of size ~1; bf16: one rounding of the output
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert (out.double() - ref).abs().max() <= tol
-    assert torch.allclose(k, k_ref, atol=1e-6) and torch.allclose(v, v_ref, atol=1e-6)  # slot written, rest kept
+    assert torch.allclose(k.float(), k_ref, atol=1e-6) and torch.allclose(v.float(), v_ref, atol=1e-6)  # slot written
 
 
 def test_decode_attention_refuses_shapes_it_does_not_handle(lib):
     assert not ckernels.supports(8, 3, 64) and not ckernels.supports(8, 4, 40) and ckernels.supports(8, 4, 64)
     buf = torch.zeros(64)
-    args = (buf.data_ptr(), 0, 8, buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), None, buf.data_ptr(), 1.0,
+    args = (buf.data_ptr(), 0, 8, buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), 0, None, buf.data_ptr(), 1.0,
             buf.data_ptr(), 0, 8, buf.data_ptr(), 1)
     assert lib.posttrain_decode_attention(1, 4, 4, 40, 4, 0, *args) == -1   # head_dim not a multiple of 16
     assert lib.posttrain_decode_attention(1, 4, 4, 32, 4, 4, *args) == -1   # slot beyond the capacity

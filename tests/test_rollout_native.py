@@ -290,7 +290,10 @@ def test_small_bf16_weights_are_multiplied_in_fp32_on_their_exact_values(tok, ti
 
 def test_bf16_weights_give_the_bf16_models_logprobs(tok, tiny1m):
     params = SamplingParams(max_new_tokens=8, seed=2)
-    r = NativeEngine(tiny1m, tok, dtype=torch.bfloat16, compute=torch.bfloat16).generate(prompts_of(tok, 3), params)
+    engine = NativeEngine(tiny1m, tok, dtype=torch.bfloat16, compute=torch.bfloat16)
+    r = engine.generate(prompts_of(tok, 3), params)
+    # bf16 arithmetic with the C attention keeps a bf16 KV cache (fused.py departure 5)
+    assert engine.step.cache_dtype == (torch.bfloat16 if engine.step.gathers_rows(torch.device("cpu")) else torch.float32)
     import copy
     m16 = copy.deepcopy(tiny1m).to(torch.bfloat16)
     tf = teacher_forced(m16, r).log_softmax(-1).gather(-1, r.completion_ids[..., None])[..., 0]

@@ -96,7 +96,7 @@ def build(generic: bool = False) -> Path:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i, p, n, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     fn = lib.posttrain_decode_attention
-    fn.argtypes = [i, i, i, i, i, i, p, i, n, p, p, p, p, p, f, p, i, n, p, i]
+    fn.argtypes = [i, i, i, i, i, i, p, i, n, p, p, p, i, p, p, f, p, i, n, p, i]
     fn.restype = i
     lib.posttrain_scratch_floats.argtypes = [i, i, i]
     lib.posttrain_scratch_floats.restype = n

@@ -24,7 +24,9 @@ Departures from the HF forward (numbered):
    HF's pairs (i, i + D/2) sit side by side; then x·cos + rotate_half(x)·sin is
    (x_i + i·x_{i+D/2})·(cos_i + i·sin_i). q·k is unchanged by permuting both the same way; the cache
    holds the permuted keys (only this forward reads it). cos/sin are tabulated once per `generate`.
-5. Attention runs in fp32 whatever the weight dtype (the KV cache is fp32). In a decode step on a CPU
+5. Attention runs in fp32 whatever the weight dtype. The KV cache is fp32, or bf16 when the step
+   computes in bf16 and the C attention kernel reads it (its keys and values are bf16 matmul outputs
+   already; the rotated key is rounded once more, as in a bf16 HF forward). In a decode step on a CPU
    it is one C call per layer (`ckernels.py`: RoPE, the cache write, scores, masked softmax and the
    value sum), as are the RMSNorms and silu(gate)·up; elsewhere, or with `decode_ops="torch"`, scores,
    softmax and the value sum are three batched ops (`baddbmm` with the pad mask as its additive
@@ -266,7 +268,7 @@ class _LayerProjections:
 class FusedDecoder:
     """`step(ids, positions, cache, key_mask) -> last-position logits`, for Llama-family models."""
 
-    cache_dtype = torch.float32  # departure 5: attention and the KV cache in fp32
+    cache_dtype = torch.float32  # departure 5: attention in fp32; the cache fp32, or bf16 (set by `prepare`)
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None = None, *, matmul: str = "auto",
                  compute: torch.dtype | str = "auto", decode_ops: str = "auto"):
@@ -309,6 +311,11 @@ class FusedDecoder:
                 self.compute_dtype = self.weights.compute = chosen
                 self.weights.invalidate()
         self.weights.refresh()
+        # a bf16 cache where the step computes in bf16 and the C attention reads it: the keys and values are
+        # bf16 matmul outputs already, so it only rounds the rotated key once more, as a bf16 HF forward
+        # does, and halves the bytes each step reads (departure 5)
+        self.cache_dtype = torch.bfloat16 if self.compute_dtype == torch.bfloat16 and self.gathers_rows(device) \
+            else torch.float32
         if max_positions <= self._rope_len and self._rope_device == device:
             return
         probe = torch.zeros(1, 1, 1, dtype=torch.float32, device=device)
@@ -365,6 +372,8 @@ class FusedDecoder:
             qk = torch.view_as_complex(qkv[:, :, : hq + hkv].unflatten(-1, (d // 2, 2))) * rot
             qk = torch.view_as_real(qk).flatten(-2)                       # (R, q, Hq + Hkv, D), rotated
             keys, values = cache.write(i, qk[:, :, hq:].transpose(1, 2), qkv[:, :, hq + hkv:].transpose(1, 2))
+            if keys.dtype != torch.float32:                                # a bf16 cache: attention stays fp32
+                keys, values = keys.float(), values.float()
             a = F.scaled_dot_product_attention(qk[:, :, :hq].transpose(1, 2), keys, values, attn_mask=mask,
                                                scale=self.scaling, enable_gqa=hq != hkv)  # (R, Hq, q, D)
             a = a.transpose(1, 2).reshape(rows * q, hq * d)
@@ -435,8 +444,9 @@ class DecodePlan:
         rows = cache.rows if cache_rows is None else cache_rows.numel()
         cap, dev = cache.capacity, cache.keys[0].device
         hq, hkv, d, hidden = dec.heads, dec.kv_heads, dec.head_dim, dec.hidden
-        if cache.keys[0].dtype != f32:
-            raise ValueError(f"DecodePlan: the KV cache must be fp32 (FusedDecoder.cache_dtype), got {cache.keys[0].dtype}")
+        if cache.keys[0].dtype not in (f32, torch.bfloat16):
+            raise ValueError(f"DecodePlan: the KV cache must be fp32 or bf16 (FusedDecoder.cache_dtype), "
+                             f"got {cache.keys[0].dtype}")
         if key_mask.shape != (rows, cap):
             raise ValueError(f"DecodePlan: key_mask has shape {tuple(key_mask.shape)}, expected {(rows, cap)}")
         self.dec, self.cache, self.rows, self.kind = dec, cache, rows, kind
@@ -470,7 +480,7 @@ class DecodePlan:
         self.h_row, self.h_col = self.h32.view(rows, 1, hidden), self.h32.view(rows, hidden, 1)
         self.x_row = self.x.view(rows, 1, hidden)
         self.gate, self.up = self.gu[:, :inter], self.gu[:, inter:]
-        if cache_rows is None:                                             # the PyTorch attention's cache views
+        if cache_rows is None and cache.keys[0].dtype == f32:              # the PyTorch attention's cache views
             self.k_cache_c = [as_c(k, rows, hkv, cap) for k in cache.keys]  # (R, Hkv, cap, D/2) complex
             self.k_flat = [k.view(rows * hkv, cap, d) for k in cache.keys]   # (R·Hkv, cap, D)
             self.v_flat = [v.view(rows * hkv, cap, d) for v in cache.values]
@@ -489,6 +499,8 @@ class DecodePlan:
             self._bind_c(lib, key_mask)
         if cache_rows is not None and self._attention == self._attention_torch:
             raise ValueError("DecodePlan: cache_rows needs the C attention kernel (FusedDecoder.gathers_rows)")
+        if cache.keys[0].dtype != f32 and self._attention == self._attention_torch:
+            raise ValueError("DecodePlan: a bf16 KV cache needs the C attention kernel (FusedDecoder.cache_dtype)")
 
     # --- the step's non-matmul work, as PyTorch ops -------------------------------------------------
     def _normalise_bmm(self, eps: Tensor) -> None:
@@ -565,7 +577,8 @@ class DecodePlan:
         tail = (self.bias_rows.data_ptr(), dec.scaling, self.attn_w.data_ptr(), is_bf16(self.attn_w),
                 self.attn_w.shape[1], self.scratch.data_ptr(), threads)
         rows_of = 0 if self.cache_rows is None else self.cache_rows.data_ptr()  # 0: NULL, row r is cache row r
-        caches = [(k.data_ptr(), v.data_ptr(), rows_of) for k, v in zip(self.cache.keys, self.cache.values)]
+        kv_bf16 = int(self.cache.keys[0].dtype == bf16)
+        caches = [(k.data_ptr(), v.data_ptr(), kv_bf16, rows_of) for k, v in zip(self.cache.keys, self.cache.values)]
         attend = lib.posttrain_decode_attention
 
         def attention(i: int, slot: int) -> None:

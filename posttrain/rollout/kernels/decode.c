@@ -14,7 +14,8 @@
  *   qkv     (rows, qkv_stride)  the row's projections: hq query heads, hkv keys, hkv values, each d wide,
  *                               rotary pairs side by side (fused.py departure 4)
  *   rot     (rows, d/2, 2)      the row's (cos, sin) per rotary pair at its position
- *   k, v    (cache_rows, hkv, cap, d) the layer's KV cache; slot `slot` is written here (the key rotated)
+ *   k, v    (cache_rows, hkv, cap, d) the layer's KV cache, fp32 or bf16 (kv_bf16); slot `slot` is written
+ *                               here (the key rotated, rounded to bf16 once in a bf16 cache)
  *   row_of  (rows,) int64       the cache row of each row, or NULL for row r = cache row r: finished rows
  *                               leave the batch without copying the cache (compaction is a new row_of)
  *   bias    (rows, cap)         0 where the row may attend, -inf at its pads; slot `slot` must be 0
@@ -97,6 +98,26 @@ static inline __m512 exp16_nonpositive(__m512 x) {
 }
 #endif
 
+#if USE_AVX512
+/* 16 values (the first n) of a fp32 or bf16 array, as fp32; the rest 0 */
+static inline __m512 load16(const void *base, long i, int bf16, int n) {
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)base + i);
+    __m256i b = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+/* the first n of 16 fp32 values into a fp32 or bf16 array (bf16: round to nearest even; no NaN here) */
+static inline void store16(void *base, long i, int bf16, int n, __m512 v) {
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    if (!bf16) { _mm512_mask_storeu_ps((float *)base + i, m, v); return; }
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(u));
+}
+#endif
+
 /* One of the row's head vectors (`col` is its first column in qkv), as fp32, rotated and scaled
  * unless `plain`. */
 static void load_head(const void *qkv, int qkv_bf16, long qkv_stride, int r, long col, int d,
@@ -120,17 +141,21 @@ static void load_head(const void *qkv, int qkv_bf16, long qkv_stride, int r, lon
 }
 
 /* probabilities p (group × cap, the first S of each row) ← softmax(q · Kᵀ + bias); returns 1/Σ per row in inv */
-static void scores_softmax(const float *q, const float *K, const float *bias, int group, int d, int S,
+static inline float kv_at(const void *base, long i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static void scores_softmax(const float *q, const void *K, int kv_bf16, const float *bias, int group, int d, int S,
                            int cap, float *p, float *inv) {
 #if USE_AVX512
     const int nd = d / 16;
     for (int t = 0; t < S; t++) {
-        const float *k = K + (long)t * d;
-        for (int c = 0; c < d; c += 16) _mm_prefetch((const char *)(k + PREFETCH_ROWS * d + c), _MM_HINT_T0);
+        const long k = (long)t * d, ahead = (k + (long)PREFETCH_ROWS * d) << (2 - kv_bf16);  /* bytes */
+        for (int c = 0; c < (d << (2 - kv_bf16)); c += 64) _mm_prefetch((const char *)K + ahead + c, _MM_HINT_T0);
         for (int g = 0; g < group; g++) {
             __m512 a = _mm512_setzero_ps();
             for (int c = 0; c < nd; c++)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + 16 * c), _mm512_loadu_ps(k + 16 * c), a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + 16 * c), load16(K, k + 16 * c, kv_bf16, 16), a);
             p[g * cap + t] = _mm512_reduce_add_ps(a) + bias[t];
         }
     }
@@ -159,9 +184,8 @@ static void scores_softmax(const float *q, const float *K, const float *bias, in
         const float *qg = q + g * d;
         float *pg = p + g * cap, top = -INFINITY, sum = 0.0f;
         for (int t = 0; t < S; t++) {
-            const float *k = K + (long)t * d;
             float s = 0.0f;
-            for (int j = 0; j < d; j++) s += qg[j] * k[j];
+            for (int j = 0; j < d; j++) s += qg[j] * kv_at(K, (long)t * d + j, kv_bf16);
             pg[t] = s + bias[t];
             top = pg[t] > top ? pg[t] : top;
         }
@@ -175,7 +199,8 @@ static void scores_softmax(const float *q, const float *K, const float *bias, in
 }
 
 /* acc (group × d) ← Σ_t p[g, t] · V[t] · inv[g] */
-static void value_sum(const float *p, const float *inv, const float *V, int group, int d, int S, int cap, float *acc) {
+static void value_sum(const float *p, const float *inv, const void *V, int kv_bf16, int group, int d, int S, int cap,
+                      float *acc) {
 #if USE_AVX512
     const int nd = d / 16;
     for (int c0 = 0; c0 < nd; c0 += 4) { /* four vectors of d at a time stay in registers */
@@ -184,13 +209,13 @@ static void value_sum(const float *p, const float *inv, const float *V, int grou
             const float *pg = p + g * cap;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int t = 0; t < S; t++) {
-                const float *v = V + (long)t * d + 16 * c0;
-                if (g == 0) _mm_prefetch((const char *)(v + PREFETCH_ROWS * d), _MM_HINT_T0);
+                const long v = (long)t * d + 16 * c0;
+                if (g == 0) _mm_prefetch((const char *)V + ((v + (long)PREFETCH_ROWS * d) << (2 - kv_bf16)), _MM_HINT_T0);
                 const __m512 w = _mm512_set1_ps(pg[t]);
-                a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a0);
-                if (nc > 1) a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), a1);
-                if (nc > 2) a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), a2);
-                if (nc > 3) a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), a3);
+                a0 = _mm512_fmadd_ps(w, load16(V, v, kv_bf16, 16), a0);
+                if (nc > 1) a1 = _mm512_fmadd_ps(w, load16(V, v + 16, kv_bf16, 16), a1);
+                if (nc > 2) a2 = _mm512_fmadd_ps(w, load16(V, v + 32, kv_bf16, 16), a2);
+                if (nc > 3) a3 = _mm512_fmadd_ps(w, load16(V, v + 48, kv_bf16, 16), a3);
             }
             const __m512 s = _mm512_set1_ps(inv[g]);
             float *o = acc + g * d + 16 * c0;
@@ -205,8 +230,8 @@ static void value_sum(const float *p, const float *inv, const float *V, int grou
         float *ag = acc + g * d;
         for (int j = 0; j < d; j++) ag[j] = 0.0f;
         for (int t = 0; t < S; t++) {
-            const float w = p[g * cap + t], *v = V + (long)t * d;
-            for (int j = 0; j < d; j++) ag[j] += w * v[j];
+            const float w = p[g * cap + t];
+            for (int j = 0; j < d; j++) ag[j] += w * kv_at(V, (long)t * d + j, kv_bf16);
         }
         for (int j = 0; j < d; j++) ag[j] *= inv[g];
     }
@@ -226,7 +251,7 @@ int posttrain_vector_path(void) {
 /* Returns 0, or -1 when a size is outside what this kernel handles (the caller checks first). */
 int posttrain_decode_attention(int rows, int hq, int hkv, int d, int cap, int slot,
                                const void *qkv, int qkv_bf16, long qkv_stride, const float *rot,
-                               float *k_cache, float *v_cache, const int64_t *row_of, const float *bias,
+                               void *k_cache, void *v_cache, int kv_bf16, const int64_t *row_of, const float *bias,
                                float scaling, void *out, int out_bf16, long out_stride, float *scratch,
                                int threads) {
     if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 16 || slot < 0 || slot >= cap)
@@ -242,13 +267,24 @@ int posttrain_decode_attention(int rows, int hq, int hkv, int d, int cap, int sl
         float *p = acc + (long)group * d;                              /* group × cap */
         float inv[MAX_GROUP];
         const float *cs = rot + (long)r * d;
-        float *K = k_cache + (cr * hkv + h) * cap * d, *V = v_cache + (cr * hkv + h) * cap * d;
+        const long block = (cr * hkv + h) * cap * d;                 /* the (row, KV head)'s first element */
+        char *K = (char *)k_cache + (block << (2 - kv_bf16)), *V = (char *)v_cache + (block << (2 - kv_bf16));
+        float fresh[2 * MAX_HEAD_DIM];                               /* the new key (rotated) and value */
         for (int g = 0; g < group; g++)
             load_head(qkv, qkv_bf16, qkv_stride, r, (long)(h * group + g) * d, d, cs, scaling, 0, q + g * d);
-        load_head(qkv, qkv_bf16, qkv_stride, r, (long)(hq + h) * d, d, cs, 1.0f, 0, K + (long)slot * d);
-        load_head(qkv, qkv_bf16, qkv_stride, r, (long)(hq + hkv + h) * d, d, cs, 1.0f, 1, V + (long)slot * d);
-        scores_softmax(q, K, bias + (long)r * cap, group, d, S, cap, p, inv);
-        value_sum(p, inv, V, group, d, S, cap, acc);
+        load_head(qkv, qkv_bf16, qkv_stride, r, (long)(hq + h) * d, d, cs, 1.0f, 0, fresh);
+        load_head(qkv, qkv_bf16, qkv_stride, r, (long)(hq + hkv + h) * d, d, cs, 1.0f, 1, fresh + d);
+        for (int j = 0; j < d; j++) {
+            if (kv_bf16) {
+                ((uint16_t *)K)[(long)slot * d + j] = f32_to_bf16(fresh[j]);
+                ((uint16_t *)V)[(long)slot * d + j] = f32_to_bf16(fresh[d + j]);
+            } else {
+                ((float *)K)[(long)slot * d + j] = fresh[j];
+                ((float *)V)[(long)slot * d + j] = fresh[d + j];
+            }
+        }
+        scores_softmax(q, K, kv_bf16, bias + (long)r * cap, group, d, S, cap, p, inv);
+        value_sum(p, inv, V, kv_bf16, group, d, S, cap, acc);
         for (int g = 0; g < group; g++) {
             const long col = (long)(h * group + g) * d;
             if (out_bf16) {
@@ -262,25 +298,6 @@ int posttrain_decode_attention(int rows, int hq, int hkv, int d, int cap, int sl
     return 0;
 }
 
-#if USE_AVX512
-/* 16 values (the first n) of a fp32 or bf16 array, as fp32; the rest 0 */
-static inline __m512 load16(const void *base, long i, int bf16, int n) {
-    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)base + i);
-    __m256i b = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
-/* the first n of 16 fp32 values into a fp32 or bf16 array (bf16: round to nearest even; no NaN here) */
-static inline void store16(void *base, long i, int bf16, int n, __m512 v) {
-    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-    if (!bf16) { _mm512_mask_storeu_ps((float *)base + i, m, v); return; }
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(u));
-}
-#endif
 
 /* x ← h / √(mean h² + eps) per row (the norm's weight is folded into the next matmul, fused.py
  * departure 3); h and x are (rows, hidden), fp32 or bf16 each, arithmetic in fp32. */
