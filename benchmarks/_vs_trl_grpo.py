@@ -113,8 +113,8 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
     roofline = {name: {k: records[-1].get(f"phase/{name}/{k}") for k in ("flops_per_s", "bytes_per_s", "bound")}
                 for name in ("generate", "update")}
     cpu_times = [b - a for a, b in itertools.pairwise(cpu)]  # from the end of step 1: warm-up dropped
-    precision = ("bf16 autocast over fp32 master weights, rollout from bf16 weight copies (fp32 attention/KV cache)"
-                 if bf16 else "fp32")
+    precision = ("bf16 autocast over fp32 master weights, rollout from bf16 weight copies (fp32 attention "
+                 "over a bf16 KV cache where the C kernels run)" if bf16 else "fp32")
     settings = (f"posttrain grpo stage: {precision}, no activation checkpointing, native rollout engine (KV cache, "
                 f"fused Llama kernels), loss dapo (token mean, clip 0.8–1.28), G={G}, {SEQS} seq/step, ≤{COMPLETION} new "
                 f"tokens, T=1, kl_coef 0, μ=1, grad_accum 1, AdamW lr {LR}, {threads} threads")
