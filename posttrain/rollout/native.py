@@ -99,8 +99,8 @@ class NativeEngine:
     compact_below: compact the batch when live rows ≤ this fraction of running rows (1.0 = as soon as
         one row finishes, 0.0 = never).
     matmul: form of the fused path's decode matmuls: "auto" (`tuning.tuned_kind`: on a CPU, the form
-        measured fastest on this machine for weights that stream from memory — once per machine, then
-        cached; else `projections.projection_kind`), or one of "mm", "mkl", "dnn", "mv".
+        measured fastest on this machine — once per machine, then cached; else
+        `projections.projection_kind`), or one of "mm", "mkl", "dnn", "mv", "c".
     compute: the dtype the fused path multiplies in: "auto" (`projections.compute_dtype`: fp32 for small
         bf16/fp16 weights on a CPU, holding their rounded values exactly; else the weight dtype) or a dtype.
     decode_ops: the fused decode step's work between its matmuls (norms, RoPE, attention, SwiGLU):
@@ -109,7 +109,8 @@ class NativeEngine:
         loops, for tests) or "torch".
     Memory: the fused path keeps its own copy of the weights (fused, norm-folded; fp32 weights with nothing
     to fold are shared with the model), the decode form of each (a transposed copy for "mm", a packed
-    one for "mkl"/"dnn"; "mv" uses the copy itself) and an fp32 KV cache whatever the weight dtype.
+    one for "mkl"/"dnn"/"c"; "mv" uses the copy itself) and a KV cache in fp32, or in bf16 where the step
+    computes in bf16 and the C attention reads it (`FusedDecoder.cache_dtype`, set by `prepare`).
     """
 
     name = "native"
