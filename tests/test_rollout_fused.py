@@ -58,6 +58,9 @@ def test_every_projection_kind_computes_the_linear_product(kind, dtype):
     h = torch.ones(rows, 40, dtype=dtype)
     p.add_to(x, h)                                                     # h = 1 + x·Wᵀ + b
     assert (h.double() - (ref + 1)).abs().max() <= 2 * tol
+    if kind == "c":                                                    # a C kernel trusts sizes: checked first
+        with pytest.raises(ValueError, match="for a 40 × 48 weight"):
+            p.into(x[:, :40], out)
 
 
 def test_mkl_projection_pads_fewer_rows_up_to_its_packing():

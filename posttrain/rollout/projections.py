@@ -102,6 +102,8 @@ class Projection:
             raise TypeError(f"Projection kind='c' multiplies {self.packed.dtype}, got x {x.dtype}, out {out.dtype}")
         x = x if x.stride(-1) == 1 else x.contiguous()
         n, k = self._shape
+        if x.shape[1] != k or out.shape[1] != n or out.shape[0] != x.shape[0]:  # the kernel trusts the sizes
+            raise ValueError(f"Projection kind='c': x {tuple(x.shape)} → out {tuple(out.shape)} for a {n} × {k} weight")
         self._gemm(x.shape[0], n, k, x.data_ptr(), x.stride(0), self.packed.data_ptr(),
                    None if self._bias is None else self._bias.data_ptr(), out.data_ptr(), out.stride(0),
                    int(accumulate), torch.get_num_threads())
