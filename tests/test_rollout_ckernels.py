@@ -127,7 +127,7 @@ def test_packed_gemm_equals_the_product(lib, rows, n, k, bias, accumulate, dtype
     out = torch.randn(rows, n, generator=g).to(dtype)
     start = out.clone()
     name = "bf16" if dtype == torch.bfloat16 else "f32"
-    packed = torch.empty(getattr(lib, f"posttrain_packed_{name}_elements")(n, k), dtype=dtype)
+    packed = torch.empty(lib.posttrain_packed_elements(n, k), dtype=dtype)
     assert getattr(lib, f"posttrain_pack_{name}")(n, k, w.data_ptr(), packed.data_ptr(), 2) == 0
     assert getattr(lib, f"posttrain_gemm_{name}")(rows, n, k, x.data_ptr(), k, packed.data_ptr(),
                                                   None if b is None else b.data_ptr(), out.data_ptr(), n,

@@ -93,31 +93,28 @@ def build(generic: bool = False) -> Path:
     return target
 
 
+_I, _P, _N, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+_GEMM = (_I, _I, _I, _P, _N, _P, _P, _P, _N, _I, _I)
+SIGNATURES = {  # name: (result, arguments), as in kernels/decode.c
+    "posttrain_decode_attention": (_I, (_I, _I, _I, _I, _I, _I, _P, _I, _N, _P, _P, _P, _I, _P, _P, _F, _P, _I, _N,
+                                        _P, _I)),
+    "posttrain_scratch_floats": (_N, (_I, _I, _I)),
+    "posttrain_vector_path": (_I, ()),
+    "posttrain_bf16_dot_path": (_I, ()),
+    "posttrain_rms_norm": (_I, (_I, _I, _P, _I, _F, _P, _I, _I)),
+    "posttrain_silu_mul": (_I, (_I, _I, _P, _P, _I, _I)),
+    "posttrain_packed_elements": (_N, (_I, _I)),
+    "posttrain_pack_bf16": (_I, (_I, _I, _P, _P, _I)),
+    "posttrain_pack_f32": (_I, (_I, _I, _P, _P, _I)),
+    "posttrain_gemm_bf16": (_I, _GEMM),
+    "posttrain_gemm_f32": (_I, _GEMM),
+}
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    i, p, n, f = ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-    fn = lib.posttrain_decode_attention
-    fn.argtypes = [i, i, i, i, i, i, p, i, n, p, p, p, i, p, p, f, p, i, n, p, i]
-    fn.restype = i
-    lib.posttrain_scratch_floats.argtypes = [i, i, i]
-    lib.posttrain_scratch_floats.restype = n
-    lib.posttrain_vector_path.restype = i
-    lib.posttrain_rms_norm.argtypes = [i, i, p, i, f, p, i, i]
-    lib.posttrain_rms_norm.restype = i
-    lib.posttrain_silu_mul.argtypes = [i, i, p, p, i, i]
-    lib.posttrain_silu_mul.restype = i
-    lib.posttrain_bf16_dot_path.restype = i
-    lib.posttrain_packed_bf16_elements.argtypes = [i, i]
-    lib.posttrain_packed_bf16_elements.restype = n
-    lib.posttrain_pack_bf16.argtypes = [i, i, p, p, i]
-    lib.posttrain_pack_bf16.restype = i
-    lib.posttrain_gemm_bf16.argtypes = [i, i, i, p, n, p, p, p, n, i, i]
-    lib.posttrain_gemm_bf16.restype = i
-    lib.posttrain_packed_f32_elements.argtypes = [i, i]
-    lib.posttrain_packed_f32_elements.restype = n
-    lib.posttrain_pack_f32.argtypes = [i, i, p, p, i]
-    lib.posttrain_pack_f32.restype = i
-    lib.posttrain_gemm_f32.argtypes = [i, i, i, p, n, p, p, p, n, i, i]
-    lib.posttrain_gemm_f32.restype = i
+    for name, (result, arguments) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = result, list(arguments)
     return lib
 
 

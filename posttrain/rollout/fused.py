@@ -341,8 +341,8 @@ class FusedDecoder:
 
         The matmuls and the MLP run on the real tokens only (left-padding rows are dropped, departure 9);
         attention runs on the padded (R, q) layout, where pads are masked. `decode_rows`: the rows the
-        decode steps after this prefill will run; when their matmul form is oneDNN's packed GEMM, the
-        prefill multiplies by those packed weights too (packed here rather than at the first step), which
+        decode steps after this prefill will run; when their matmul form is a packed one (oneDNN's or
+        ours, `c`), the prefill multiplies by those packed weights too (packed here rather than at the first step), which
         beats `F.linear` on the plain copies at prefill sizes (AMD EPYC, 2 threads, tiny-30m's 40 matmuls:
         44 tokens bf16 7.8 vs 10.3 ms, fp32 15.6 vs 24.4 ms; 731 tokens bf16 113 vs 140 ms, fp32 205 vs
         285 ms); otherwise `F.linear`.

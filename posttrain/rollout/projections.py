@@ -89,8 +89,7 @@ class Projection:
                                  f"and the C kernels' vector code for them (ckernels.gemm_library); got {w.dtype}")
             n, k = self.w.shape
             bf16 = w.dtype == torch.bfloat16
-            size = (self._lib.posttrain_packed_bf16_elements if bf16 else self._lib.posttrain_packed_f32_elements)(n, k)
-            self.packed = torch.empty(size, dtype=w.dtype)
+            self.packed = torch.empty(self._lib.posttrain_packed_elements(n, k), dtype=w.dtype)
             (self._lib.posttrain_pack_bf16 if bf16 else self._lib.posttrain_pack_f32)(
                 n, k, self.w.data_ptr(), self.packed.data_ptr(), torch.get_num_threads())
             self._gemm = self._lib.posttrain_gemm_bf16 if bf16 else self._lib.posttrain_gemm_f32

@@ -381,7 +381,8 @@ int posttrain_bf16_dot_path(void) {
     return USE_BF16_DOT;
 }
 
-long posttrain_packed_bf16_elements(int n, int k) {
+/* Elements of a packed (n, k) weight, either dtype: n rounded up to whole blocks of 16 columns. */
+long posttrain_packed_elements(int n, int k) {
     return (long)((n + 15) / 16) * 16 * k;
 }
 
@@ -445,14 +446,13 @@ int posttrain_gemm_bf16(int rows, int n, int k, const uint16_t *x, long x_stride
                         const uint16_t *bias, uint16_t *out, long out_stride, int accumulate, int threads) {
     if (k % 2) return -1;
     const int blocks = (n + 15) / 16, pairs = k / 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int b = 0; b < blocks; b++) {
-        const uint16_t *wb = packed + (long)b * pairs * 32;
-        const int cols = n - b * 16 < 16 ? n - b * 16 : 16;
 #if USE_BF16_DOT
-        if (b % 2) continue;                                   /* blocks go in pairs; b is the pair's first */
-        const int nb = b + 1 < blocks ? 2 : 1;
-        const long w_step = (long)pairs * 32;
+    const int pairs_of_blocks = (blocks + 1) / 2;
+    const long w_step = (long)pairs * 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int pb = 0; pb < pairs_of_blocks; pb++) {
+        const int b = 2 * pb, nb = b + 1 < blocks ? 2 : 1;
+        const uint16_t *wb = packed + (long)b * pairs * 32;
         for (int r0 = 0; r0 < rows; r0 += 8) {
             const int R = rows - r0 < 8 ? rows - r0 : 8;
             __m512 acc[16];
@@ -469,8 +469,12 @@ int posttrain_gemm_bf16(int rows, int n, int k, const uint16_t *x, long x_stride
                 }
             }
         }
-        (void)cols;
+    }
 #else
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int b = 0; b < blocks; b++) {
+        const uint16_t *wb = packed + (long)b * pairs * 32;
+        const int cols = n - b * 16 < 16 ? n - b * 16 : 16;
         for (int m = 0; m < rows; m++) {
             for (int j = 0; j < cols; j++) {
                 float s = 0.0f;
@@ -483,8 +487,8 @@ int posttrain_gemm_bf16(int rows, int n, int k, const uint16_t *x, long x_stride
                 *o = f32_to_bf16(s);
             }
         }
-#endif
     }
+#endif
     return 0;
 }
 
@@ -492,10 +496,6 @@ int posttrain_gemm_bf16(int rows, int n, int k, const uint16_t *x, long x_stride
  * W (n, k) fp32 packed in blocks of 16 output columns: packed[((n / 16)·k + k-index)·16 + n % 16]. One
  * FMA multiplies a broadcast element of x by 16 columns; up to 8 rows share each weight load, two
  * column blocks at a time. Without AVX-512 the same layout is multiplied by plain C. */
-long posttrain_packed_f32_elements(int n, int k) {
-    return (long)((n + 15) / 16) * 16 * k;
-}
-
 int posttrain_pack_f32(int n, int k, const float *w, float *packed, int threads) {
     const int blocks = (n + 15) / 16;
 #pragma omp parallel for schedule(static) num_threads(threads)
