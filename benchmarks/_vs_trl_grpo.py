@@ -75,8 +75,8 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
     from rich.console import Console
 
     from posttrain.models import load_tokenizer
-    from posttrain.pipeline.config import Recipe
-    from posttrain.pipeline.context import RunContext
+    from posttrain.runtime.config import Recipe
+    from posttrain.runtime.context import RunContext
     from posttrain.stages.grpo import run_grpo
     from posttrain.telemetry import Telemetry
     from posttrain.worlds.arithmetic import ArithmeticWorld

@@ -34,8 +34,8 @@ from rich.console import Console
 
 from posttrain.data import encode_prompt as enc
 from posttrain.models import load_model, load_tokenizer
-from posttrain.pipeline.config import load_recipe
-from posttrain.pipeline.evals import greedy
+from posttrain.runtime.config import load_recipe
+from posttrain.rollout.greedy import greedy
 from posttrain.pipeline.run import make_world, run_pipeline
 from posttrain.telemetry.phases import read_phases
 from posttrain.worlds.arithmetic import ArithmeticWorld, Fact, parse_answer

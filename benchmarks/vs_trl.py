@@ -63,8 +63,8 @@ def median_gap(ends: list[tuple[float, float]], warmup: int) -> tuple[float, flo
 
 def ours_dpo(policy_dir: Path, tok, world, *, pairs: int, steps: int, dtype: str, threads: int) -> tuple[list[tuple[float, float]], float]:
     """posttrain's dpo stage as the pipeline runs it; returns (step end times, one-time reference seconds)."""
-    from posttrain.pipeline.config import DPOStage, Recipe
-    from posttrain.pipeline.context import RunContext
+    from posttrain.runtime.config import DPOStage, Recipe
+    from posttrain.runtime.context import RunContext
     from posttrain.stages.dpo import run_dpo
     from posttrain.telemetry import Telemetry
 

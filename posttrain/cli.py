@@ -28,8 +28,8 @@ def _guard(fn: Callable[[], T]) -> T:
     """Run `fn`; a user error (bad recipe, data, checkpoint, model folder) is one red line and exit 2."""
     from posttrain.data import DataError
     from posttrain.models import ModelLoadError
-    from posttrain.pipeline.checkpoint import CheckpointError
-    from posttrain.pipeline.config import RecipeError
+    from posttrain.runtime.checkpoint import CheckpointError
+    from posttrain.runtime.config import RecipeError
     from posttrain.pipeline.run import RunError
     from posttrain.report import ReportError
 
@@ -46,7 +46,7 @@ def packaged_recipe(name: str) -> Path:
 
 def _run(recipe_path: Path, out: Path | None, resume: bool, overrides: list[str], *, fresh: bool) -> None:
     _quiet_libraries()
-    from posttrain.pipeline.config import load_recipe
+    from posttrain.runtime.config import load_recipe
     from posttrain.pipeline.run import run_pipeline
 
     recipe = _guard(lambda: load_recipe(recipe_path, overrides))

@@ -16,7 +16,7 @@ from posttrain.models.heads import (
     last_token_scores,
     load_scalar_model,
 )
-from posttrain.pipeline.config import DataSource
+from posttrain.runtime.config import DataSource
 from posttrain.stages._gold_eval import head_to_head
 from posttrain.stages._preference_data import (
     encode_ranking_like,

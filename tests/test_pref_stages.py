@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.models.heads import RewardNormalization, load_scalar_model
-from posttrain.pipeline.config import DPOStage, PPOStage, Recipe, RewardModelStage
-from posttrain.pipeline.context import RunContext
+from posttrain.runtime.config import DPOStage, PPOStage, Recipe, RewardModelStage
+from posttrain.runtime.context import RunContext
 from posttrain.stages.dpo import run_dpo
 from posttrain.stages.ppo import run_ppo
 from posttrain.stages.reward_model import run_reward_model

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from posttrain.data import EpochSampler, encode_prompt
 from posttrain.losses import AGGREGATIONS, loss_normalizer, token_logprobs
 from posttrain.models import load_model
-from posttrain.pipeline.config import GRPOStage, Recipe
-from posttrain.pipeline.context import RunContext
+from posttrain.runtime.config import GRPOStage, Recipe
+from posttrain.runtime.context import RunContext
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.stages import grpo as grpo_mod

@@ -9,13 +9,13 @@ import torch
 
 from posttrain.data import Problem, read_jsonl
 from posttrain.pipeline import evals as evals_mod
-from posttrain.pipeline.config import (
+from posttrain.runtime.config import (
     EvalConfig,
     Recipe,
     RejectionSamplingStage,
     SFTStage,
 )
-from posttrain.pipeline.context import RunContext
+from posttrain.runtime.context import RunContext
 from posttrain.pipeline.evals import pass_at_k_evals
 from posttrain.stages.rejection_sampling import (
     output_path,

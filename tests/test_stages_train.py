@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from posttrain.data import encode_sft, parse_record
 from posttrain.models import build_tiny
-from posttrain.pipeline.config import OptimConfig, Recipe
+from posttrain.runtime.config import OptimConfig, Recipe
 from posttrain.pipeline.run import run_pipeline
 from posttrain.stages._training import Trainer, optimizer_step
 from posttrain.stages.sft import sft_batch_loss
@@ -105,7 +105,7 @@ def test_a_loaded_start_is_evaluated_before_the_first_stage(tiny_run, tmp_path):
 
 
 def test_fused_adamw_by_model_size():
-    from posttrain.pipeline.config import OptimConfig
+    from posttrain.runtime.config import OptimConfig
     from posttrain.stages._training import FUSED_MIN_PARAMETERS, build_optimizer
 
     big, small = torch.nn.Linear(4096, FUSED_MIN_PARAMETERS // 4096 + 1), torch.nn.Linear(64, 64)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,10 +18,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.data import encode_prompt
-from posttrain.pipeline.config import EvalConfig
+from posttrain.runtime.config import EvalConfig
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.telemetry import costs
-from posttrain.worlds.arithmetic import LEVELS, ArithmeticWorld, parse_answer
+from posttrain.rollout.greedy import PhaseFn, greedy
+from posttrain.worlds.arithmetic import ArithmeticWorld, parse_answer
 
 
 @dataclass(frozen=True)
@@ -40,32 +38,6 @@ class EvalRecord:
 
 def _binomial_stderr(p: float, n: int) -> float:
     return math.sqrt(p * (1 - p) / n) if n else float("nan")
-
-
-PhaseFn = Callable[[], AbstractContextManager[Any]]  # opens the phase a generation batch is timed in
-
-
-@torch.no_grad()
-def greedy(model: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list[list[int]], max_new: int, batch: int,
-           phase: PhaseFn | None = None):
-    """Greedy completions (texts, finish reasons) through the native rollout engine.
-
-    With `phase`, each batch is timed in the phase it opens, costed as a padded batch decode (rows that
-    finish early are counted to the longest row: an upper bound on the work)."""
-    engine = make_engine("native", model, tok)
-    texts, reasons = [], []
-    was_training = model.training
-    model.eval()
-    for i in range(0, len(prompts), batch):
-        with phase() if phase else nullcontext() as p:
-            r = engine.generate(prompts[i : i + batch], SamplingParams(temperature=0.0, max_new_tokens=max_new))
-            if p is not None:
-                p.cost = costs.decode(model.config, batch=len(r), prompt_len=r.prompt_ids.shape[1],
-                                      new_tokens=max(1, r.completion_ids.shape[1]))
-        texts += r.texts
-        reasons += r.finish_reason
-    model.train(was_training)
-    return texts, reasons
 
 
 def arithmetic_evals(model, tok, world: ArithmeticWorld, cfg: EvalConfig, *, stage: str, checkpoint: str,
@@ -94,10 +66,6 @@ def arithmetic_evals(model, tok, world: ArithmeticWorld, cfg: EvalConfig, *, sta
 
 def as_json(records: list[EvalRecord]) -> list[dict]:
     return [asdict(r) for r in records]
-
-
-def level_name(level: str | None) -> str:
-    return f"{level} {LEVELS[level]}" if level in LEVELS else str(level)
 
 
 @torch.no_grad()

@@ -23,9 +23,9 @@ from rich.console import Console
 from posttrain.data import encode_sft_dataset, read_jsonl
 from posttrain.models import build_tiny, count_parameters, load_model, load_tokenizer, train_tokenizer
 from posttrain.models.tiny import PRESETS
-from posttrain.pipeline.checkpoint import CheckpointError, final_checkpoint, latest_checkpoint, publish
-from posttrain.pipeline.config import Recipe, dump_recipe
-from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.runtime.checkpoint import CheckpointError, final_checkpoint, latest_checkpoint, publish
+from posttrain.runtime.config import Recipe, dump_recipe
+from posttrain.runtime.context import RunContext, StageResult
 from posttrain.pipeline.evals import EvalRecord, arithmetic_evals, as_json, pass_at_k_evals
 from posttrain.stages.pretrain import run_pretrain
 from posttrain.stages.sft import run_sft

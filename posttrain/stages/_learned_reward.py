@@ -19,8 +19,8 @@ from posttrain.models.heads import (
     last_token_scores,
     load_scalar_model,
 )
-from posttrain.pipeline.checkpoint import final_checkpoint
-from posttrain.pipeline.context import RunContext
+from posttrain.runtime.checkpoint import final_checkpoint
+from posttrain.runtime.context import RunContext
 from posttrain.rollout import Rollout
 
 

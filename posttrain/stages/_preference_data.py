@@ -29,7 +29,7 @@ from posttrain.data import (
     read_jsonl,
 )
 from posttrain.data.records import Record
-from posttrain.pipeline.config import DataSource
+from posttrain.runtime.config import DataSource
 from posttrain.worlds.arithmetic import (
     ArithmeticWorld,
     concise_answer,

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from posttrain.data import Problem, encode_prompt, read_jsonl
-from posttrain.pipeline.config import DataSource, RewardSpec
-from posttrain.pipeline.context import RunContext
+from posttrain.runtime.config import DataSource, RewardSpec
+from posttrain.runtime.context import RunContext
 from posttrain.rewards import (
     CombinedRewards,
     Scores,

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from posttrain.pipeline.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
-from posttrain.pipeline.config import OptimConfig, TrainStage
-from posttrain.pipeline.context import RunContext
+from posttrain.runtime.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
+from posttrain.runtime.config import OptimConfig, TrainStage
+from posttrain.runtime.context import RunContext
 
 
 # AdamW's fused kernel takes 26 ms a step on tiny-30m (2 CPU threads) where the single-tensor loop takes

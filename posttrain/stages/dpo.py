@@ -52,8 +52,8 @@ from posttrain.losses import (
     orpo_loss,
     simpo_loss,
 )
-from posttrain.pipeline.config import DPOStage
-from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.runtime.config import DPOStage
+from posttrain.runtime.context import RunContext, StageResult
 from posttrain.stages._gold_eval import compare_to_reference, heldout_problems
 from posttrain.stages._packing import pair_logps, sequence_logps
 from posttrain.stages._preference_data import kto_partners, load_records

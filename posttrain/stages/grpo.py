@@ -56,9 +56,9 @@ from posttrain.losses import (
     token_logprobs,
 )
 from posttrain.losses._enum import StrEnum
-from posttrain.pipeline.config import GRPOStage
-from posttrain.pipeline.context import RunContext, StageResult
-from posttrain.pipeline.evals import greedy
+from posttrain.runtime.config import GRPOStage
+from posttrain.runtime.context import RunContext, StageResult
+from posttrain.rollout.greedy import greedy
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import Rollout, SamplingParams
 from posttrain.rollout.text import positions_from_mask

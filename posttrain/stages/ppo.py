@@ -53,8 +53,8 @@ from posttrain.models.heads import (
     load_scalar_model,
     token_scores,
 )
-from posttrain.pipeline.config import PPOStage
-from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.runtime.config import PPOStage
+from posttrain.runtime.context import RunContext, StageResult
 from posttrain.rollout import Rollout, SamplingParams
 from posttrain.stages._gold_eval import (
     compare_to_reference,

@@ -14,8 +14,8 @@ import torch
 from posttrain.data import pack_documents
 from posttrain.losses import sft_loss, token_logprobs
 from posttrain.models.tokenizer import EOS
-from posttrain.pipeline.config import PretrainStage
-from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.runtime.config import PretrainStage
+from posttrain.runtime.context import RunContext, StageResult
 from posttrain.stages._training import optimizer_step, save, start_or_resume
 from posttrain.telemetry import costs
 

@@ -38,9 +38,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from posttrain.data import Problem, prompt_messages, read_jsonl
-from posttrain.pipeline.checkpoint import save_checkpoint
-from posttrain.pipeline.config import Recipe, RejectionSamplingStage
-from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.runtime.checkpoint import save_checkpoint
+from posttrain.runtime.config import Recipe, RejectionSamplingStage
+from posttrain.runtime.context import RunContext, StageResult
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import Rollout, SamplingParams
 from posttrain.stages._learned_reward import (

@@ -34,15 +34,15 @@ from posttrain.models.heads import (
     last_token_scores,
     load_scalar_model,
 )
-from posttrain.pipeline.checkpoint import (
+from posttrain.runtime.checkpoint import (
     FINAL,
     STATE_FILE,
     SUMMARY_FILE,
     publish,
     rng_state,
 )
-from posttrain.pipeline.config import DataSource, RewardModelStage
-from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.runtime.config import DataSource, RewardModelStage
+from posttrain.runtime.context import RunContext, StageResult
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.stages._gold_eval import fact_of, gold_rewards
 from posttrain.stages._preference_data import encode_ranking_like, load_records

@@ -14,8 +14,8 @@ import torch
 from posttrain.data import EncodedSFT, EpochSampler, collate_sft, encode_sft_dataset, mix, parse_record, read_jsonl
 from posttrain.data.records import SFTExample
 from posttrain.losses import sft_loss, token_logprobs
-from posttrain.pipeline.config import DataSource, SFTStage
-from posttrain.pipeline.context import RunContext, StageResult
+from posttrain.runtime.config import DataSource, SFTStage
+from posttrain.runtime.context import RunContext, StageResult
 from posttrain.stages._training import optimizer_step, save, start_or_resume
 from posttrain.telemetry import costs
 

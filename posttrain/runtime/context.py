@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.models import load_model
-from posttrain.pipeline.config import Recipe
+from posttrain.runtime.config import Recipe
 from posttrain.rollout import make_engine
 from posttrain.rollout.fused import fused_unsupported_reason
 from posttrain.telemetry import MetricSink, Telemetry
