@@ -9,10 +9,8 @@ measures knowledge without asking for chat behaviour.
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -21,23 +19,8 @@ from posttrain.data import encode_prompt
 from posttrain.runtime.config import EvalConfig
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.greedy import PhaseFn, greedy
+from posttrain.tasks.records import EvalRecord, binomial_stderr
 from posttrain.worlds.arithmetic import ArithmeticWorld, parse_answer
-
-
-@dataclass(frozen=True)
-class EvalRecord:
-    stage: str
-    checkpoint: str
-    eval: str
-    level: str | None
-    metric: str
-    value: float
-    n: int
-    stderr: float | None
-
-
-def _binomial_stderr(p: float, n: int) -> float:
-    return math.sqrt(p * (1 - p) / n) if n else float("nan")
 
 
 def arithmetic_evals(model, tok, world: ArithmeticWorld, cfg: EvalConfig, *, stage: str, checkpoint: str,
@@ -46,7 +29,7 @@ def arithmetic_evals(model, tok, world: ArithmeticWorld, cfg: EvalConfig, *, sta
 
     def rec(evalname: str, level: str | None, metric: str, hits: int, n: int) -> None:
         p = hits / n if n else float("nan")
-        out.append(EvalRecord(stage, checkpoint, evalname, level, metric, p, n, _binomial_stderr(p, n)))
+        out.append(EvalRecord(stage, checkpoint, evalname, level, metric, p, n, binomial_stderr(p, n)))
 
     for level in cfg.levels:
         problems = world.eval_problems(level)[: cfg.per_level]

@@ -26,7 +26,8 @@ from posttrain.models.tiny import PRESETS
 from posttrain.runtime.checkpoint import CheckpointError, final_checkpoint, latest_checkpoint, publish
 from posttrain.runtime.config import Recipe, dump_recipe
 from posttrain.runtime.context import RunContext, StageResult
-from posttrain.pipeline.evals import EvalRecord, arithmetic_evals, as_json, pass_at_k_evals
+from posttrain.pipeline.evals import arithmetic_evals, as_json, pass_at_k_evals
+from posttrain.tasks.records import EvalRecord
 from posttrain.stages.pretrain import run_pretrain
 from posttrain.stages.sft import run_sft
 from posttrain.stages.reward_model import run_reward_model
