@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from posttrain.rollout import ckernels
+from posttrain.rollout.cpu import ckernels
 
 
 def timed(fn, calls: int) -> float:

@@ -18,7 +18,7 @@ import time
 import torch
 
 from posttrain.models import build_tiny
-from posttrain.rollout.fused import FusedWeights
+from posttrain.rollout.cpu.fused import FusedWeights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -15,7 +15,7 @@ from posttrain.rollout import (
     SamplingParams,
     make_engine,
 )
-from posttrain.rollout.fused import rms_norm, rms_norm_fused
+from posttrain.rollout.cpu.fused import rms_norm, rms_norm_fused
 from posttrain.rollout.sampling import process_logits
 
 CHI2_CRIT_DF3 = 16.266  # χ² critical value, 3 dof, α = 0.001

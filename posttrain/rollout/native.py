@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.rollout.fused import FusedDecoder, fused_unsupported_reason
+from posttrain.rollout.cpu.fused import FusedDecoder, fused_unsupported_reason
 from posttrain.rollout.kv_cache import KVCache
 from posttrain.rollout.output import Rollout, assemble
 from posttrain.rollout.sampling import SamplingParams, draw_uniforms, sample, sample_into

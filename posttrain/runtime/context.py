@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from posttrain.models import load_model
 from posttrain.runtime.config import Recipe
 from posttrain.rollout import make_engine
-from posttrain.rollout.fused import fused_unsupported_reason
+from posttrain.rollout.cpu.fused import fused_unsupported_reason
 from posttrain.telemetry import MetricSink, Telemetry
 from posttrain.telemetry.costs import Cost
 from posttrain.worlds.arithmetic import ArithmeticWorld

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from posttrain.models import build_tiny, train_tokenizer
-from posttrain.rollout import HFEngine, NativeEngine, SamplingParams, ckernels
-from posttrain.rollout.fused import FusedDecoder, pair_halves
+from posttrain.rollout import HFEngine, NativeEngine, SamplingParams
+from posttrain.rollout.cpu import ckernels
+from posttrain.rollout.cpu.fused import FusedDecoder, pair_halves
 from posttrain.rollout.kv_cache import KVCache
-from posttrain.rollout.projections import PROJECTION_KINDS, Projection, projection_kind
-from posttrain.rollout.tuning import candidates as tuning_candidates
+from posttrain.rollout.cpu.projections import PROJECTION_KINDS, Projection, projection_kind
+from posttrain.rollout.cpu.tuning import candidates as tuning_candidates
 
 
 @pytest.fixture(scope="module")

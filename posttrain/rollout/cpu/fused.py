@@ -59,11 +59,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posttrain.rollout import ckernels
-from posttrain.rollout.decode_plan import DecodePlan
+from posttrain.rollout.cpu import ckernels
+from posttrain.rollout.cpu.decode_plan import DecodePlan
 from posttrain.rollout.kv_cache import KVCache
-from posttrain.rollout.projections import PROJECTION_KINDS, Projection, compute_dtype
-from posttrain.rollout.tuning import tuned_kind
+from posttrain.rollout.cpu.projections import PROJECTION_KINDS, Projection, compute_dtype
+from posttrain.rollout.cpu.tuning import tuned_kind
 
 FUSED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 DECODE_OPS = ("auto", "c", "c-generic", "torch")  # "c-generic": the C kernels' plain-C loops (tests)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain.rollout import ckernels
+from posttrain.rollout.cpu import ckernels
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["native", "generic"])

@@ -47,7 +47,7 @@ class BuildError(RuntimeError):
 
 
 def _source() -> bytes:
-    return resources.files("posttrain.rollout").joinpath("kernels/decode.c").read_bytes()
+    return resources.files("posttrain.rollout.cpu").joinpath("kernels/decode.c").read_bytes()
 
 
 def _compiler() -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from posttrain.rollout import ckernels
+from posttrain.rollout.cpu import ckernels
 
 
 def _mm(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

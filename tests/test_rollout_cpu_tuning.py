@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from posttrain.models import build_tiny
-from posttrain.rollout import tuning
-from posttrain.rollout.fused import FusedWeights
-from posttrain.rollout.projections import projection_kind
+from posttrain.rollout.cpu import tuning
+from posttrain.rollout.cpu.fused import FusedWeights
+from posttrain.rollout.cpu.projections import projection_kind
 from posttrain.telemetry.devices import ENV_CACHE_DIR
 
 CPU = torch.device("cpu")

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from posttrain.rollout import ckernels
-from posttrain.rollout.projections import (
+from posttrain.rollout.cpu import ckernels
+from posttrain.rollout.cpu.projections import (
     _HAS_DNN_PACK,
     _HAS_MKL_PACK,
     Projection,
@@ -44,7 +44,7 @@ from posttrain.rollout.projections import (
 from posttrain.telemetry.devices import cache_dir, cpu_name
 
 if TYPE_CHECKING:
-    from posttrain.rollout.fused import FusedWeights
+    from posttrain.rollout.cpu.fused import FusedWeights
 
 ENV_TUNE = "POSTTRAIN_MATMUL_TUNE"
 MARGIN = 0.05  # another form must beat the static choice by this much to replace it

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posttrain.rollout import ckernels
+from posttrain.rollout.cpu import ckernels
 from posttrain.rollout.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from posttrain.rollout.fused import FusedDecoder
+    from posttrain.rollout.cpu.fused import FusedDecoder
 
 
 class DecodePlan:
