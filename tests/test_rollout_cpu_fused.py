@@ -12,7 +12,7 @@ from posttrain.rollout import HFEngine, NativeEngine, SamplingParams
 from posttrain.rollout.cpu import ckernels
 from posttrain.rollout.cpu.fused import FusedDecoder, pair_halves
 from posttrain.rollout.kv_cache import KVCache
-from posttrain.rollout.cpu.projections import PROJECTION_KINDS, Projection, projection_kind
+from posttrain.rollout.cpu.projections import PROJECTION_KINDS, make_projection, projection_kind
 from posttrain.rollout.cpu.tuning import candidates as tuning_candidates
 
 
@@ -48,7 +48,7 @@ def test_every_projection_kind_computes_the_linear_product(kind, dtype):
     rows = 1 if kind == "mv" else 5
     x = torch.randn(rows, 48, generator=g).to(dtype)
     ref = x.double() @ w.double().T + b.double()                      # the same bf16 values, exact products
-    p = Projection(w, b, kind, rows)
+    p = make_projection(w, b, kind, rows)
     # fp32: another summation order → ~1e-6 on values of size ~10; bf16: one output rounding of values
     # |y| ≲ 32 is ≤ 2^-8·32 = 0.125 (plus the bias add's rounding in `add_to`)
     tol = 1e-4 if dtype == torch.float32 else 0.25
@@ -67,7 +67,7 @@ def test_every_projection_kind_computes_the_linear_product(kind, dtype):
 def test_mkl_projection_pads_fewer_rows_up_to_its_packing():
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(24, 32, generator=g), torch.randn(8, 32, generator=g)
-    p = Projection(w, None, "mkl", 8)
+    p = make_projection(w, None, "mkl", 8)
     assert torch.allclose(p(x[:3]), x[:3] @ w.T, atol=1e-5)          # 3 rows through a pack for 8
     with pytest.raises(ValueError, match="packed for at most 8"):
         p(torch.randn(9, 32))
@@ -82,7 +82,7 @@ def test_projection_kind_picks_packing_only_for_large_cpu_weights():
     assert projection_kind(torch.bfloat16, 1, cpu, big) == "mv"
     assert projection_kind(torch.float32, 8, torch.device("meta"), big) == "mm"
     with pytest.raises(ValueError, match="kind='nt'"):
-        Projection(torch.zeros(2, 2), None, "nt", 1)
+        make_projection(torch.zeros(2, 2), None, "nt", 1)
 
 
 @pytest.mark.parametrize("decode_ops", ["torch", "c", "c-generic"])

@@ -65,13 +65,13 @@ def test_a_choice_cached_by_an_older_measure_is_measured_again(weights, monkeypa
 
 def test_forms_take_turns_over_the_rounds(weights, monkeypatch):
     built: list[str] = []
-    real = tuning.Projection
+    real = tuning.make_projection
 
     def recording(w, b, kind, rows):
         if not built or built[-1] != kind:
             built.append(kind)
         return real(w, b, kind, rows)
-    monkeypatch.setattr(tuning, "Projection", recording)
+    monkeypatch.setattr(tuning, "make_projection", recording)
     kinds = ["mm", "dnn"] if "dnn" in tuning.candidates(torch.float32, 8) else ["mm", "mkl"]
     seconds = tuning.measure(weights, kinds, rows=8, rounds=3, reps=1)
     assert built == kinds * 3                      # round-robin, not every round of one form in a row

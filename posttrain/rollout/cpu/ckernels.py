@@ -8,7 +8,7 @@ each (row, KV head) as its own tiny product. `kernels/decode.c` does those six i
 header gives the layouts), an RMSNorm in one call instead of three to five, and SwiGLU's
 silu(gate)·up in one instead of two, reading and writing bf16 directly where the weights are bf16
 (no fp32 copies). It also holds matmuls over weights packed in blocks of 16 columns — bf16 on
-AVX512-BF16 dot products, fp32 on AVX-512 FMAs (`projections.Projection` kind `c`) — which the tuner
+AVX512-BF16 dot products, fp32 on AVX-512 FMAs (`projections.CGemm`, form `c`) — which the tuner
 measures beside MKL's and oneDNN's. On the 2-core AMD EPYC, 64 rows × tiny-30m's heads at 50 positions and 10 layers'
 caches, one layer's attention takes ~0.4–0.5 ms against ~0.8–0.9 ms for the six ops
 (benchmarks/README.md has the measurements).

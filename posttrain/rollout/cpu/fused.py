@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from posttrain.rollout.cpu import ckernels
 from posttrain.rollout.cpu.decode_plan import DecodePlan
 from posttrain.rollout.kv_cache import KVCache
-from posttrain.rollout.cpu.projections import PROJECTION_KINDS, Projection, compute_dtype
+from posttrain.rollout.cpu.projections import PROJECTION_KINDS, MatmulForm, compute_dtype, form_of, make_projection
 from posttrain.rollout.cpu.tuning import tuned_kind
 
 FUSED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -146,7 +146,7 @@ class FusedWeights:
         self._key: tuple | None = None
         self._buffers: dict[str, Tensor] = {}
         self.layers: list[_Layer] = []
-        self._projections: dict[str, tuple[int, list[_LayerProjections], Projection]] = {}
+        self._projections: dict[str, tuple[int, list[_LayerProjections], MatmulForm]] = {}
 
     def _version(self) -> tuple:
         # A parameter's `_version` moves on every in-place write (optimizer.step, load_state_dict, copy_),
@@ -237,19 +237,20 @@ class FusedWeights:
         self.nbytes = sum(t.numel() * t.element_size() for lw in self.layers for t in (lw.wqkv, lw.wo, lw.wgu, lw.wd))
         self._key = key
 
-    def projections(self, kind: str, rows: int) -> tuple[list[_LayerProjections], Projection]:
+    def projections(self, kind: str, rows: int) -> tuple[list[_LayerProjections], MatmulForm]:
         """Every decode matmul in form `kind` for `rows` rows; the last build per kind is kept (packing
-        costs about one pass over the weights, so a plan rebuilt for the same rows reuses it)."""
+        costs about one pass over the weights, so a plan rebuilt for the same rows reuses it; the form
+        says which row counts a build serves, `MatmulForm.reuses`). A compaction of the batch rebuilds
+        the plan, not the weights."""
         cached = self._projections.get(kind)
-        # mm, dnn: any rows (for dnn, rows is only a hint); mkl: pads up to the packed rows (repack only
-        # below half of them). A compaction of the batch rebuilds the plan, not the weights.
-        if cached is not None and (cached[0] == rows or kind in ("mm", "dnn", "c")
-                                   or (kind == "mkl" and rows <= cached[0] < 2 * rows)):
+        if cached is not None and form_of(kind).reuses(cached[0], rows):
             return cached[1], cached[2]
-        layers = [_LayerProjections(qkv=Projection(lw.wqkv, lw.bqkv, kind, rows), o=Projection(lw.wo, lw.bo, kind, rows),
-                                    gu=Projection(lw.wgu, None, kind, rows), d=Projection(lw.wd, None, kind, rows))
+        layers = [_LayerProjections(qkv=make_projection(lw.wqkv, lw.bqkv, kind, rows),
+                                    o=make_projection(lw.wo, lw.bo, kind, rows),
+                                    gu=make_projection(lw.wgu, None, kind, rows),
+                                    d=make_projection(lw.wd, None, kind, rows))
                   for lw in self.layers]
-        lm_head = Projection(self.lm_head, self.lm_head_bias, kind, rows)
+        lm_head = make_projection(self.lm_head, self.lm_head_bias, kind, rows)
         self._projections[kind] = (rows, layers, lm_head)
         return layers, lm_head
 
@@ -261,10 +262,10 @@ def _paired(w: Tensor, heads: int, d: int) -> Tensor:
 
 @dataclass
 class _LayerProjections:
-    qkv: Projection
-    o: Projection
-    gu: Projection
-    d: Projection
+    qkv: MatmulForm
+    o: MatmulForm
+    gu: MatmulForm
+    d: MatmulForm
 
 
 class FusedDecoder:
@@ -351,7 +352,7 @@ class FusedDecoder:
         rows, q = ids.shape
         packed, head = None, None                                          # the decode step's packed projections
         kind = None if decode_rows is None else self._kind(decode_rows, ids.device)
-        if kind in ("dnn", "c"):
+        if kind is not None and form_of(kind).packs_for_prefill:
             packed, head = w.projections(kind, decode_rows)                # packed now, reused by the plan
         self._check_positions(positions)
         kv_len = cache.length + q

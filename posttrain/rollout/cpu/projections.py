@@ -1,12 +1,15 @@
 """The decode step's matmul forms: one weight times a few rows of activations, in the fastest of several
 kernels for the CPU, dtype and row count (`fused.py`'s departure 2, docs/rollout.md "Matmul forms").
 
-`Projection` holds one (out, in) weight in one form; `projection_kind` is the static choice (measured on
-an Intel Xeon), `tuning.tuned_kind` the one measured on the machine that runs; `compute_dtype` picks the
-arithmetic dtype for small bf16/fp16 weights on a CPU (`fused.py`'s departure 10).
+Each form is one small class (`MatmulForm`: `MM`, `MKLPacked`, `DNNPacked`, `MV`, `CGemm`) holding one
+(out, in) weight; `FORMS` names them, `make_projection` builds one. `projection_kind` is the static choice
+(measured on an Intel Xeon), `tuning.tuned_kind` the one measured on the machine that runs; `compute_dtype`
+picks the arithmetic dtype for small bf16/fp16 weights on a CPU (`fused.py`'s departure 10).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -22,7 +25,6 @@ def _mm(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 # torch build lacks them, every projection runs as `torch.mm`.
 _HAS_MKL_PACK = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 _HAS_DNN_PACK = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-PROJECTION_KINDS = ("mm", "mkl", "dnn", "mv", "c")
 PACK_MIN_BYTES = 16 << 20  # tiny-1m (4 MB in fp32) stays on `mm`, tiny-30m (118 MB) packs
 
 
@@ -58,42 +60,187 @@ def projection_kind(dtype: torch.dtype, rows: int, device: torch.device, weight_
     return "mm"
 
 
-class Projection:
-    """y = x·W + b for one (in, out) weight in one of `PROJECTION_KINDS`; all kinds compute the same product.
+class MatmulForm:
+    """y = x·Wᵀ + b for one (out, in) weight in one decode matmul form; every form computes the same product.
 
-    `w` is (out, in) contiguous, HF's layout. `mm`: `torch.mm` on a pre-transposed (in, out) copy,
-    writing into buffers; `mkl`: MKL packed sgemm,
-    packed for exactly `rows` rows (MKL would fall back to `F.linear` for another count, so fewer rows
-    are zero-padded up to `rows`: at these sizes the GEMM streams the weights whatever the row count,
-    and repacking costs ~7 decode steps); `dnn`: oneDNN packed GEMM (`rows` is a hint only); `mv`:
-    matrix-vector on a (out, in) copy, for one row; `c`: fp32 or bf16, our C kernel (`ckernels.py`) on
-    weights packed in blocks of 16 columns, any rows, bias and residual add fused (bf16: one rounding).
+    A form is chosen once per (dtype, rows) — statically (`projection_kind`) or by measurement
+    (`tuning.tuned_kind`) — and built for every decode matmul by `make_projection`; the decode step then
+    calls `into` / `add_to` / `__call__` without asking which form it holds. A form says, as class
+    attributes, its `name` (the recipe's `matmul:` value and the tuner's cache entry), whether the prefill
+    multiplies by its weights too (`packs_for_prefill`), and, as class methods, whether this torch build
+    can run it (`available`) and whether a build for some rows serves another row count (`reuses`).
+    `w` is (out, in) contiguous, HF's layout; `b` (out,) or None.
     """
 
-    def __init__(self, w: Tensor, b: Tensor | None, kind: str, rows: int):
-        if kind not in PROJECTION_KINDS:
-            raise ValueError(f"Projection: kind={kind!r}; expected one of {PROJECTION_KINDS}")
-        if kind == "mv" and rows != 1:
+    name: ClassVar[str]
+    packs_for_prefill: ClassVar[bool] = False  # a packed layout that also beats `F.linear` at prefill sizes
+
+    def __init__(self, w: Tensor, b: Tensor | None, rows: int):
+        self.w, self.b, self.rows = w.contiguous(), b, rows
+        self.in_features, self.dtype = w.shape[1], w.dtype
+
+    @classmethod
+    def available(cls, dtype: torch.dtype, rows: int) -> bool:
+        """Whether this torch build (and machine) runs the form for `dtype` weights and `rows` rows."""
+        return True
+
+    @classmethod
+    def reuses(cls, built_rows: int, rows: int) -> bool:
+        """Whether a build for `built_rows` rows serves `rows` rows (packing costs ~one pass over the weights)."""
+        return built_rows == rows
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x (R, in) → (R, out), a new tensor."""
+        raise NotImplementedError
+
+    def into(self, x: Tensor, out: Tensor) -> None:
+        """out ← x·Wᵀ + b (out: (R, out) contiguous)."""
+        out.copy_(self(x))
+
+    def add_to(self, x: Tensor, h: Tensor) -> None:
+        """h += x·Wᵀ + b, in place (the residual stream)."""
+        h.add_(self(x))
+
+
+class MM(MatmulForm):
+    """`torch.mm` on a pre-transposed (in, out) copy, writing into the step's buffers; any rows."""
+
+    name = "mm"
+
+    def __init__(self, w: Tensor, b: Tensor | None, rows: int):
+        super().__init__(w, b, rows)
+        self.w = w.t().contiguous()                                        # (in, out)
+
+    @classmethod
+    def reuses(cls, built_rows: int, rows: int) -> bool:
+        return True
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return _mm(x, self.w, self.b)
+
+    def into(self, x: Tensor, out: Tensor) -> None:
+        if self.b is None:
+            torch.mm(x, self.w, out=out)
+        else:
+            torch.addmm(self.b, x, self.w, out=out)
+
+    def add_to(self, x: Tensor, h: Tensor) -> None:
+        h.addmm_(x, self.w)
+        if self.b is not None:
+            h.add_(self.b)
+
+
+class MKLPacked(MatmulForm):
+    """MKL's packed sgemm (fp32), packed for exactly `rows` rows: MKL would fall back to `F.linear` for
+    another count, so fewer rows are zero-padded up to `rows` (at these sizes the GEMM streams the weights
+    whatever the row count, and repacking costs ~7 decode steps)."""
+
+    name = "mkl"
+
+    def __init__(self, w: Tensor, b: Tensor | None, rows: int):
+        super().__init__(w, b, rows)
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+        self._pad: Tensor | None = None
+
+    @classmethod
+    def available(cls, dtype: torch.dtype, rows: int) -> bool:
+        return dtype == torch.float32 and _HAS_MKL_PACK
+
+    @classmethod
+    def reuses(cls, built_rows: int, rows: int) -> bool:
+        return rows <= built_rows < 2 * rows                                  # pads up; repacks below half
+
+    def __call__(self, x: Tensor) -> Tensor:
+        rows = x.shape[0]
+        if rows == self.rows:
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.w, self.b, self.rows)
+        if rows > self.rows:
+            raise ValueError(f"Projection: {rows} rows but packed for at most {self.rows}")
+        if self._pad is None:
+            self._pad = x.new_zeros(self.rows, x.shape[1])
+        self._pad[:rows].copy_(x)
+        return torch.ops.mkl._mkl_linear(self._pad, self.packed, self.w, self.b, self.rows)[:rows]
+
+
+class DNNPacked(MatmulForm):
+    """oneDNN's packed GEMM (fp32 or bf16, AMX where the CPU has it); `rows` is a packing hint only."""
+
+    name = "dnn"
+    packs_for_prefill = True
+
+    def __init__(self, w: Tensor, b: Tensor | None, rows: int):
+        super().__init__(w, b, rows)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+
+    @classmethod
+    def available(cls, dtype: torch.dtype, rows: int) -> bool:
+        return dtype in (torch.float32, torch.bfloat16) and _HAS_DNN_PACK
+
+    @classmethod
+    def reuses(cls, built_rows: int, rows: int) -> bool:
+        return True
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
+
+
+class MV(MatmulForm):
+    """Matrix-vector on the (out, in) copy itself, for one row."""
+
+    name = "mv"
+
+    def __init__(self, w: Tensor, b: Tensor | None, rows: int):
+        if rows != 1:
             raise ValueError(f"Projection: kind='mv' needs rows=1, got {rows}")
-        self.kind, self.b, self.rows = kind, b, rows
-        self.w = w.t().contiguous() if kind == "mm" else w.contiguous()    # mm: (in, out); else (out, in)
-        self.packed, self._pad = None, None
-        if kind == "mkl":
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
-        elif kind == "dnn":
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-        elif kind == "c":
-            self._lib = ckernels.gemm_library(w.dtype)
-            if self._lib is None or w.device.type != "cpu" or (w.dtype == torch.bfloat16 and w.shape[1] % 2):
-                raise ValueError(f"Projection: kind='c' needs fp32 or bf16 CPU weights (bf16: an even input size) "
-                                 f"and the C kernels' vector code for them (ckernels.gemm_library); got {w.dtype}")
-            n, k = self.w.shape
-            bf16 = w.dtype == torch.bfloat16
-            self.packed = torch.empty(self._lib.posttrain_packed_elements(n, k), dtype=w.dtype)
-            (self._lib.posttrain_pack_bf16 if bf16 else self._lib.posttrain_pack_f32)(
-                n, k, self.w.data_ptr(), self.packed.data_ptr(), torch.get_num_threads())
-            self._gemm = self._lib.posttrain_gemm_bf16 if bf16 else self._lib.posttrain_gemm_f32
-            self._shape, self._bias = (n, k), (None if b is None else b.to(w.dtype).contiguous())
+        super().__init__(w, b, rows)
+
+    @classmethod
+    def available(cls, dtype: torch.dtype, rows: int) -> bool:
+        return rows == 1
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = torch.mv(self.w, x[0])[None]
+        return y if self.b is None else y.add_(self.b)
+
+    def into(self, x: Tensor, out: Tensor) -> None:
+        torch.mv(self.w, x[0], out=out[0])
+        if self.b is not None:
+            out.add_(self.b)
+
+    def add_to(self, x: Tensor, h: Tensor) -> None:
+        h[0].addmv_(self.w, x[0])
+        if self.b is not None:
+            h.add_(self.b)
+
+
+class CGemm(MatmulForm):
+    """Our C kernel (`ckernels.py`), fp32 or bf16, on weights packed in blocks of 16 columns; any rows,
+    bias and residual add fused (bf16: one rounding)."""
+
+    name = "c"
+    packs_for_prefill = True
+
+    def __init__(self, w: Tensor, b: Tensor | None, rows: int):
+        super().__init__(w, b, rows)
+        self._lib = ckernels.gemm_library(w.dtype)
+        if self._lib is None or w.device.type != "cpu" or (w.dtype == torch.bfloat16 and w.shape[1] % 2):
+            raise ValueError(f"Projection: kind='c' needs fp32 or bf16 CPU weights (bf16: an even input size) "
+                             f"and the C kernels' vector code for them (ckernels.gemm_library); got {w.dtype}")
+        n, k = self.w.shape
+        bf16 = w.dtype == torch.bfloat16
+        self.packed = torch.empty(self._lib.posttrain_packed_elements(n, k), dtype=w.dtype)
+        (self._lib.posttrain_pack_bf16 if bf16 else self._lib.posttrain_pack_f32)(
+            n, k, self.w.data_ptr(), self.packed.data_ptr(), torch.get_num_threads())
+        self._gemm = self._lib.posttrain_gemm_bf16 if bf16 else self._lib.posttrain_gemm_f32
+        self._shape, self._bias = (n, k), (None if b is None else b.to(w.dtype).contiguous())
+
+    @classmethod
+    def available(cls, dtype: torch.dtype, rows: int) -> bool:
+        return ckernels.gemm_library(dtype) is not None
+
+    @classmethod
+    def reuses(cls, built_rows: int, rows: int) -> bool:
+        return True
 
     def _c(self, x: Tensor, out: Tensor, accumulate: bool) -> None:
         """out (+)= x·Wᵀ + b by the C kernel; x and out in the weight's dtype, rows contiguous."""
@@ -108,55 +255,29 @@ class Projection:
                    int(accumulate), torch.get_num_threads())
 
     def __call__(self, x: Tensor) -> Tensor:
-        """x (R, in) → (R, out), a new tensor."""
-        if self.kind == "c":
-            out = x.new_empty(x.shape[0], self._shape[0])
-            self._c(x, out, False)
-            return out
-        if self.kind == "mm":
-            return _mm(x, self.w, self.b)
-        if self.kind == "mkl":
-            rows = x.shape[0]
-            if rows == self.rows:
-                return torch.ops.mkl._mkl_linear(x, self.packed, self.w, self.b, self.rows)
-            if rows > self.rows:
-                raise ValueError(f"Projection: {rows} rows but packed for at most {self.rows}")
-            if self._pad is None:
-                self._pad = x.new_zeros(self.rows, x.shape[1])
-            self._pad[:rows].copy_(x)
-            return torch.ops.mkl._mkl_linear(self._pad, self.packed, self.w, self.b, self.rows)[:rows]
-        if self.kind == "dnn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
-        y = torch.mv(self.w, x[0])[None]
-        return y if self.b is None else y.add_(self.b)
+        out = x.new_empty(x.shape[0], self._shape[0])
+        self._c(x, out, False)
+        return out
 
     def into(self, x: Tensor, out: Tensor) -> None:
-        """out ← x·W + b (out: (R, out) contiguous)."""
-        if self.kind == "c":
-            self._c(x, out, False)
-        elif self.kind == "mm":
-            if self.b is None:
-                torch.mm(x, self.w, out=out)
-            else:
-                torch.addmm(self.b, x, self.w, out=out)
-        elif self.kind == "mv":
-            torch.mv(self.w, x[0], out=out[0])
-            if self.b is not None:
-                out.add_(self.b)
-        else:
-            out.copy_(self(x))
+        self._c(x, out, False)
 
     def add_to(self, x: Tensor, h: Tensor) -> None:
-        """h += x·W + b, in place (the residual stream)."""
-        if self.kind == "c":
-            self._c(x, h, True)
-            return
-        if self.kind == "mm":
-            h.addmm_(x, self.w)
-        elif self.kind == "mv":
-            h[0].addmv_(self.w, x[0])
-        else:
-            h.add_(self(x))
-            return
-        if self.b is not None:
-            h.add_(self.b)
+        self._c(x, h, True)
+
+
+FORMS: dict[str, type[MatmulForm]] = {f.name: f for f in (MM, MKLPacked, DNNPacked, MV, CGemm)}  # the tuner's order
+PROJECTION_KINDS = tuple(FORMS)
+
+
+def form_of(kind: str) -> type[MatmulForm]:
+    """The form class named `kind` (a recipe's or the tuner's `matmul:` value)."""
+    form = FORMS.get(kind)
+    if form is None:
+        raise ValueError(f"Projection: kind={kind!r}; expected one of {PROJECTION_KINDS}")
+    return form
+
+
+def make_projection(w: Tensor, b: Tensor | None, kind: str, rows: int) -> MatmulForm:
+    """One (out, in) weight `w` (bias `b`) in form `kind`, for `rows` rows (a hint for most forms)."""
+    return form_of(kind)(w, b, rows)

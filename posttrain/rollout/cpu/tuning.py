@@ -34,13 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from posttrain.rollout.cpu import ckernels
-from posttrain.rollout.cpu.projections import (
-    _HAS_DNN_PACK,
-    _HAS_MKL_PACK,
-    Projection,
-    projection_kind,
-)
+from posttrain.rollout.cpu.projections import FORMS, make_projection, projection_kind
 from posttrain.telemetry.devices import cache_dir, cpu_name
 
 if TYPE_CHECKING:
@@ -60,16 +54,7 @@ def rows_bucket(rows: int) -> int:
 
 def candidates(dtype: torch.dtype, rows: int) -> list[str]:
     """The forms this torch build can run for `dtype` weights and `rows` rows."""
-    kinds = ["mm"]
-    if dtype == torch.float32 and _HAS_MKL_PACK:
-        kinds.append("mkl")
-    if dtype in (torch.float32, torch.bfloat16) and _HAS_DNN_PACK:
-        kinds.append("dnn")
-    if rows == 1:
-        kinds.append("mv")
-    if ckernels.gemm_library(dtype) is not None:
-        kinds.append("c")
-    return kinds
+    return [name for name, form in FORMS.items() if form.available(dtype, rows)]
 
 
 def cache_file() -> Path:
@@ -118,10 +103,9 @@ def measure(weights: FusedWeights, kinds: list[str], rows: int, rounds: int = 4,
     seconds = dict.fromkeys(kinds, math.inf)
     for _ in range(rounds):
         for kind in kinds:
-            projections = [Projection(w, b, kind, rows) for lw in weights.layers
+            projections = [make_projection(w, b, kind, rows) for lw in weights.layers
                            for w, b in ((lw.wqkv, lw.bqkv), (lw.wo, lw.bo), (lw.wgu, None), (lw.wd, None))]
-            xs = [torch.randn(rows, p.w.shape[0] if kind == "mm" else p.w.shape[1], generator=g).to(p.w.dtype)
-                  for p in projections]
+            xs = [torch.randn(rows, p.in_features, generator=g).to(p.dtype) for p in projections]
             for rep in range(reps + 1):
                 t0 = time.perf_counter()
                 for p, x in zip(projections, xs):
