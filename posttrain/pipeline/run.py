@@ -23,6 +23,7 @@ from rich.console import Console
 from posttrain.data import encode_sft_dataset, read_jsonl
 from posttrain.models import build_tiny, count_parameters, load_model, load_tokenizer, train_tokenizer
 from posttrain.models.tiny import PRESETS
+from posttrain.rollout.engine import backend_unavailable_reason
 from posttrain.runtime.checkpoint import CheckpointError, final_checkpoint, latest_checkpoint, publish
 from posttrain.runtime.config import Recipe, dump_recipe
 from posttrain.runtime.context import RunContext, StageResult
@@ -81,6 +82,15 @@ def check_model_init(recipe: Recipe) -> None:
     init = recipe.model.init
     if init not in PRESETS and not (Path(init) / "config.json").is_file():
         raise RunError(f"model.init: {init!r} is neither a tiny preset {sorted(PRESETS)} nor a folder with a config.json")
+
+
+def check_backends(recipe: Recipe) -> None:
+    """Every stage's rollout backend can run here (vLLM: installed and a CUDA GPU), before anything starts."""
+    for i, stage in enumerate(recipe.stages):
+        backend = getattr(stage, "backend", None)
+        reason = None if backend is None else backend_unavailable_reason(backend)
+        if reason is not None:
+            raise RunError(f"stages[{i}].backend: {backend!r}, but {reason}")
 
 
 def prepare_run_dir(run_dir: Path, *, resume: bool, fresh: bool) -> None:
@@ -160,6 +170,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
     the caller reads afterwards to check an eval set against everything the run trained on)."""
     console = console or Console()
     check_model_init(recipe)
+    check_backends(recipe)
     seed_everything(recipe.seed)
     world = world or make_world(recipe)
     base_done = final_checkpoint(run_dir / "checkpoints" / BASE) if resume else None

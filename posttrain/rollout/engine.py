@@ -1,16 +1,28 @@
-"""The one interface every rollout backend implements, and the factory that picks one."""
+"""The one interface every rollout backend implements, and the factory that picks one.
+
+A stage sees an engine only through `RolloutEngine`: it samples (`generate`), pushes new weights
+(`update_weights`), pads with the engine's `pad_id`, stops at its `eos_ids`, and asks it what a
+generation cost (`decode_cost`, for the `generate` phase's roofline record). Nothing is reached
+through an engine's model: a vLLM engine has none in this process.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
+from posttrain.rollout.hf import HFEngine
+from posttrain.rollout.native import NativeEngine
 from posttrain.rollout.output import Rollout
 from posttrain.rollout.sampling import SamplingParams
+from posttrain.rollout.vllm_backend import VLLMEngine
+from posttrain.telemetry.costs import Cost
 
 
 class Backend(str, Enum):  # str-valued (StrEnum is 3.11+; the project supports 3.10)
@@ -21,7 +33,9 @@ class Backend(str, Enum):  # str-valued (StrEnum is 3.11+; the project supports 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    name: str
+    name: str            # the backend: "native", "hf" or "vllm"
+    pad_id: int          # the id a Rollout's pads carry; stages pad their batches with it
+    eos_ids: list[int]   # ids that end a completion (kept in it)
 
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams) -> Rollout:
         """Sample params.n completions per prompt; rows are prompt-major (see `Rollout`)."""
@@ -31,6 +45,23 @@ class RolloutEngine(Protocol):
         """Make the next `generate` use these weights; stages call it after every optimizer step."""
         ...
 
+    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> Cost:
+        """FLOPs and bytes of generating `new_tokens` for `batch` sequences of `prompt_len` (left-padded)
+        prompt tokens on this engine's model (`telemetry.costs.decode`)."""
+        ...
+
+
+def backend_unavailable_reason(backend: str | Backend) -> str | None:
+    """Why `backend` cannot run on this machine (None: it can) — checked before a run starts, so a
+    recipe naming vLLM on a CPU fails at once in one line rather than at its stage."""
+    if Backend(backend) is not Backend.VLLM:
+        return None
+    if importlib.util.find_spec("vllm") is None:
+        return "the vLLM backend needs the vllm package (the posttrain extra of that name; not installed here) and a CUDA GPU"
+    if not torch.cuda.is_available():
+        return "the vLLM backend needs a CUDA GPU (none is visible); use backend: native on a CPU"
+    return None
+
 
 def make_engine(backend: str | Backend, model: Any, tokenizer: PreTrainedTokenizerBase | None = None,
                 **options: Any) -> RolloutEngine:
@@ -39,14 +70,5 @@ def make_engine(backend: str | Backend, model: Any, tokenizer: PreTrainedTokeniz
         kind = Backend(backend)
     except ValueError:
         raise ValueError(f"unknown rollout backend {backend!r}; expected one of {[b.value for b in Backend]}") from None
-    if kind is Backend.NATIVE:
-        from posttrain.rollout.native import NativeEngine
-
-        return NativeEngine(model, tokenizer, **options)
-    if kind is Backend.HF:
-        from posttrain.rollout.hf import HFEngine
-
-        return HFEngine(model, tokenizer, **options)
-    from posttrain.rollout.vllm_backend import VLLMEngine
-
-    return VLLMEngine(model, tokenizer, **options)
+    engine = {Backend.NATIVE: NativeEngine, Backend.HF: HFEngine, Backend.VLLM: VLLMEngine}[kind]
+    return engine(model, tokenizer, **options)

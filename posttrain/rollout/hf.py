@@ -23,6 +23,7 @@ from posttrain.rollout.native import eos_ids_of, pad_id_of
 from posttrain.rollout.output import Rollout, assemble
 from posttrain.rollout.sampling import SamplingParams
 from posttrain.rollout.text import StopStrings, encode_prompts, left_pad
+from posttrain.telemetry import costs
 
 
 class HFEngine:
@@ -41,6 +42,10 @@ class HFEngine:
             self.model.load_state_dict(model_or_state_dict)
         elif model_or_state_dict is not self.model:
             self.model.load_state_dict(model_or_state_dict.state_dict())
+
+    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
+        """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`)."""
+        return costs.decode(self.model.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
 
     def _kwargs(self, params: SamplingParams) -> dict:
         kw: dict = {"max_new_tokens": params.max_new_tokens, "num_return_sequences": params.n,

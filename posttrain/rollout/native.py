@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.rollout.cpu.fused import FusedDecoder, fused_unsupported_reason
+from posttrain.rollout.cpu import FusedDecoder, fused_unsupported_reason
 from posttrain.rollout.kv_cache import KVCache
 from posttrain.rollout.output import Rollout, assemble
 from posttrain.rollout.sampling import SamplingParams, draw_uniforms, sample, sample_into
@@ -43,6 +43,7 @@ from posttrain.rollout.text import (
     left_pad,
     positions_from_mask,
 )
+from posttrain.telemetry import costs
 
 
 def eos_ids_of(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
@@ -155,6 +156,10 @@ class NativeEngine:
             self.model.load_state_dict(model_or_state_dict.state_dict())
         if isinstance(self.step, FusedDecoder):
             self.step.weights.invalidate()
+
+    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
+        """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`)."""
+        return costs.decode(self.model.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
 
     def _cache(self, rows: int, capacity: int, device: torch.device) -> KVCache:
         return KVCache.allocate(layers=self.layers, rows=rows, kv_heads=self.kv_heads, capacity=capacity,

@@ -30,12 +30,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from posttrain.rollout.native import eos_ids_of, pad_id_of
 from posttrain.rollout.output import Rollout, assemble
 from posttrain.rollout.sampling import SamplingParams
 from posttrain.rollout.text import StopStrings, encode_prompts, left_pad
+from posttrain.telemetry import costs
 
 
 def _load_weights_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
@@ -69,6 +70,7 @@ class VLLMEngine:
         else:
             path, source = str(model), None
         self.tokenizer = tokenizer
+        self.config = source.config if source is not None else AutoConfig.from_pretrained(path)  # for decode_cost
         self.eos_ids = list(eos_token_ids) if eos_token_ids is not None else (
             eos_ids_of(source, tokenizer) if source is not None else [int(tokenizer.eos_token_id)])
         self.pad_id = pad_id_of(source, tokenizer, self.eos_ids) if source is not None else int(
@@ -87,6 +89,10 @@ class VLLMEngine:
         except AttributeError:  # multiprocess engine: ship the weights to every worker
             self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
         self.llm.reset_prefix_cache()
+
+    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
+        """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`)."""
+        return costs.decode(self.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
 
     def _sampling_params(self, params: SamplingParams) -> Any:
         import vllm

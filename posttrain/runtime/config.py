@@ -124,7 +124,7 @@ class GRPOStage(TrainStage):
     dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal and sample more (DAPO)")
     max_rounds: int = Field(4, gt=0, description="generation rounds per rollout batch at most when refilling")
     mask_truncated: bool = Field(False, description="leave samples cut by max_new_tokens out of the loss (DAPO overlong filtering)")
-    backend: Literal["native", "hf"] = Field("native", description="rollout engine")
+    backend: Literal["native", "hf", "vllm"] = Field("native", description="rollout engine (vllm: a CUDA GPU and the vllm extra; checked before the run starts)")
     share_prompt: bool = Field(True, description="update and reference forwards lay a group out as [prompt | c_1 | … | c_G], the prompt once (exact up to round-off; G·(P + N) → P + G·N tokens)")
     eval_problems: int = Field(100, gt=0, description="held-out problems per eval level for the in-stage greedy eval (eval_every)")
 

@@ -17,8 +17,8 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.models import load_model
 from posttrain.runtime.config import Recipe
-from posttrain.rollout import make_engine
-from posttrain.rollout.cpu.fused import fused_unsupported_reason
+from posttrain.rollout import RolloutEngine, make_engine
+from posttrain.rollout.cpu import fused_unsupported_reason
 from posttrain.telemetry import MetricSink, Telemetry
 from posttrain.telemetry.costs import Cost
 from posttrain.worlds.arithmetic import ArithmeticWorld
@@ -59,7 +59,7 @@ class RunContext:
         """A checkpoint of this run on its device, with the recipe's attention kernels."""
         return load_model(path, device=self.device, attention=self.recipe.model.attention, autocast_dtype=self.amp_dtype)
 
-    def rollout_engine(self, model: torch.nn.Module, backend: str = "native"):
+    def rollout_engine(self, model: torch.nn.Module, backend: str = "native") -> RolloutEngine:
         """The stage's sampler for `model`. In a bf16 run the native engine samples from bf16 copies of
         the fp32 master weights (refreshed after every update; attention and the KV cache stay fp32)
         where its fused kernels support the architecture, as the update's autocast computes in bf16."""

@@ -60,7 +60,7 @@ from posttrain.runtime.config import GRPOStage
 from posttrain.runtime.context import RunContext, StageResult
 from posttrain.rollout.greedy import greedy
 from posttrain.rewards import WeightedVerifier
-from posttrain.rollout import Rollout, SamplingParams
+from posttrain.rollout import Rollout, RolloutEngine, SamplingParams
 from posttrain.rollout.text import positions_from_mask
 from posttrain.stages._rlvr import (
     build_rewards,
@@ -175,7 +175,7 @@ class Collected:
     metrics: dict[str, float]
 
 
-def collect_groups(ctx: RunContext, cfg: GRPOStage, engine, verifiers: list[WeightedVerifier], variant: LossVariant,
+def collect_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verifiers: list[WeightedVerifier], variant: LossVariant,
                    problems: list[Problem], prompts: list[list[int]], sampler: EpochSampler, step: int) -> Collected:
     """Generate and score groups until `batch_size / group_size` usable ones are in hand (bounded).
 
@@ -196,8 +196,8 @@ def collect_groups(ctx: RunContext, cfg: GRPOStage, engine, verifiers: list[Weig
                                 seed=ctx.recipe.seed * 1_000_003 + step * 101 + rnd)
         with ctx.phase("generate", stage=cfg.folder, step=step) as p:
             ro = engine.generate([prompts[i] for i in idx], params)
-            p.cost = costs.decode(engine.model.config, batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
-                                  new_tokens=max(1, ro.completion_ids.shape[1]))
+            p.cost = engine.decode_cost(batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
+                                        new_tokens=max(1, ro.completion_ids.shape[1]))
         with ctx.phase("score", stage=cfg.folder, step=step):
             batch_problems = [problems[i] for i in idx]
             rewards = score_rollout(verifiers, ro, batch_problems)
