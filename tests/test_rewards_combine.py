@@ -122,7 +122,7 @@ def test_registry_errors_name_what_and_what_was_expected():
 
 
 def test_code_verifier_sandbox_failures_count_as_errors():
-    from posttrain.rewards.combine import _SandboxFailuresAreErrors
+    from posttrain.rewards.registry import _SandboxFailuresAreErrors
 
     wrapped = _SandboxFailuresAreErrors(constant([1.0, None, 0.0]))  # None = the sandbox failed
     out = combine([WeightedVerifier("code", wrapped)], ["a", "b", "c"], tests=[[], [], []])

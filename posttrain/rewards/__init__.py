@@ -3,13 +3,16 @@
 ``None`` means *cannot judge*: the item is skipped and counted, never silently 0 or 1. See
 docs/rewards.md. Modules:
 
-- ``combine``        the verifier contract (:class:`Scores`, :class:`Skip`), the registry
-                     (:func:`build_verifier`) and the weighted :func:`combine`
+- ``base``           the verifier contract (:class:`Verifier`, :class:`Scores`, :class:`Skip`,
+                     :class:`VerifierInputError`); every verifier module imports it, it imports none
+- ``registry``       the names a recipe uses (:class:`VerifierName`) and :func:`build_verifier`;
+                     imports every verifier
+- ``combine``        the weighted :func:`combine` of several verifiers, with per-verifier counts
 - ``format``         R1 ``<think>…</think>`` + exactly one answer; the shared answer-span grammar
 - ``math_verifier``  math-verify in killable worker processes, exact-integer fast path
 - ``length``         DAPO soft overlong punishment, plain length penalty
 - ``passk``          unbiased pass@k (Chen et al. 2021), per-level aggregation, standard errors
-- ``code``           unit tests in the sandbox; imported only when the ``code`` verifier is built
+- ``code``           unit tests in the sandbox (``posttrain.sandbox``)
 
 (The math module is ``math_verifier``, not ``math``: a ``math.py`` here would become the stdlib
 ``math`` for any script run from this folder, and ``posttrain.rewards.math`` would shadow any
@@ -18,18 +21,8 @@ docs/rewards.md. Modules:
 
 from __future__ import annotations
 
-from posttrain.rewards.combine import (
-    CombinedRewards,
-    Scores,
-    Skip,
-    Verifier,
-    VerifierInputError,
-    VerifierName,
-    VerifierStats,
-    WeightedVerifier,
-    build_verifier,
-    combine,
-)
+from posttrain.rewards.base import Scores, Skip, Verifier, VerifierInputError
+from posttrain.rewards.combine import CombinedRewards, VerifierStats, WeightedVerifier, combine
 from posttrain.rewards.format import (
     ThinkMode,
     answer_span,
@@ -53,6 +46,7 @@ from posttrain.rewards.passk import (
     pass_at_k_naive,
     stderr_of_mean,
 )
+from posttrain.rewards.registry import VerifierName, build_verifier
 
 __all__ = [
     "CombinedRewards",

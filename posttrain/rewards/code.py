@@ -10,7 +10,7 @@ Other columns (an `answer` for `math`, …) are ignored: they belong to other ve
 
 Reward: 1.0 if every test passed, else 0.0 (`partial_credit=True`: the fraction passed); `None`
 when the sandbox itself failed — not judged, to be counted by the caller, never a silent 0.
-`code_verdicts` returns the full `Verdict`s (status, detail) for metrics and logs.
+`CodeVerifier.verdicts` returns the full `Verdict`s (status, detail) for metrics and logs.
 
 Departures from HumanEval's `check_correctness` / MBPP's exec harness:
 1. The program runs under OS isolation (`posttrain.sandbox`), not `reliability_guard` + an alarm.
@@ -23,10 +23,9 @@ Departures from HumanEval's `check_correctness` / MBPP's exec harness:
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Sequence
 
-from posttrain.rewards.combine import VerifierInputError
+from posttrain.rewards.base import VerifierInputError
 from posttrain.sandbox import Limits, SandboxPool, Verdict, judge_programs, open_sandbox, parse_tests
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)", re.DOTALL | re.IGNORECASE)
@@ -96,28 +95,3 @@ def _check_len(name: str, column: object, completions: Sequence[str]) -> None:
         n = len(column) if isinstance(column, Sequence) else type(column).__name__
         raise VerifierInputError(f"code verifier: column `{name}` must hold one entry per completion "
                          f"({len(completions)}), got {n}")
-
-
-_default: CodeVerifier | None = None
-_default_lock = threading.Lock()
-
-
-def default_verifier() -> CodeVerifier:
-    """The process-wide verifier behind `code`: bubblewrap, default limits, opened on first use (so
-    importing this module never needs bubblewrap; using it without bubblewrap raises and says why)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = CodeVerifier()
-        return _default
-
-
-def code(completions: list[str], **columns: object) -> list[float | None]:
-    """Run each completion's program against its `tests` in the sandbox: 1.0 pass, 0.0 fail, None
-    if the sandbox could not judge."""
-    return default_verifier()(completions, **columns)
-
-
-def code_verdicts(completions: list[str], **columns: object) -> list[Verdict]:
-    """As `code`, with the full verdicts (status, tests passed, detail, elapsed)."""
-    return default_verifier().verdicts(completions, **columns)

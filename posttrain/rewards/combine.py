@@ -1,10 +1,8 @@
-"""The verifier contract, the verifier registry, and the weighted combination of several verifiers.
+"""The weighted combination of several verifiers, with per-verifier counts of what each could not judge.
 
-A verifier is a batched plain function ``(completions, **columns) -> list[float | None]``: one
-score per completion, where the columns are per-completion lists (``answer=[...]``,
-``lengths=[...]``) and ``None`` means *cannot judge* — the item is skipped and counted, never
-silently turned into 0 or 1. A verifier may return a :class:`Scores` (a ``list`` subclass) to say
-*why* each ``None`` is ``None`` (unjudgeable input, timeout, error); :func:`combine` reads it.
+The verifiers obey the contract of ``base.py`` (scores or ``None`` = cannot judge, with a
+:class:`~posttrain.rewards.base.Scores` reason); the registry that builds them by name is
+``registry.py``.
 
 Reference: the weighted sum of rule-based rewards follows DeepSeek-R1 (DeepSeek-AI 2025, §2.2.2:
 accuracy reward + format reward) and DAPO (Yu et al. 2025, §3.4: accuracy reward + soft overlong
@@ -25,202 +23,13 @@ Departures:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
-
-class VerifierInputError(ValueError):
-    """Bad input to a verifier (missing or mis-sized column, bad parameter): a configuration error."""
-
-
-class Skip(str, Enum):
-    """Why a verifier returned ``None`` for an item."""
-
-    UNJUDGEABLE = "unjudgeable"  # the input does not allow a judgement (e.g. missing gold answer)
-    TIMEOUT = "timeout"  # the verifier ran past its time limit on this item (a verifier failure)
-    ERROR = "error"  # the verifier raised or its worker died on this item (a verifier failure)
-
-
-class Scores(list):  # list[float | None]
-    """A verifier's per-completion scores plus, for each ``None``, the reason it is ``None``.
-
-    ``reasons[i]`` is ``None`` exactly when ``self[i]`` is a number. A plain ``list`` is an equally
-    valid verifier result; its ``None`` items are counted as ``Skip.UNJUDGEABLE``.
-    """
-
-    reasons: list[Skip | None]
-
-    def __init__(self, values: Iterable[float | None], reasons: Iterable[Skip | None] | None = None):
-        super().__init__(values)
-        given = [None] * len(self) if reasons is None else list(reasons)
-        if len(given) != len(self):
-            raise ValueError(f"Scores: {len(given)} reasons for {len(self)} values; expected one per value")
-        self.reasons = [
-            None if value is not None else (reason if reason is not None else Skip.UNJUDGEABLE)
-            for value, reason in zip(self, given)
-        ]
-
-
-class Verifier(Protocol):
-    def __call__(self, completions: list[str], /, **columns: Any) -> list[float | None]: ...
-
-
-def check_columns(verifier: str, completions: Sequence[str], **columns: Sequence[Any] | None) -> None:
-    """Raise :class:`VerifierInputError` unless every given column has one entry per completion."""
-    if isinstance(completions, str):
-        raise VerifierInputError(f"{verifier}: completions must be a list of strings, got one str")
-    for i, completion in enumerate(completions):
-        if not isinstance(completion, str):
-            raise VerifierInputError(
-                f"{verifier}: completions[{i}] is a {type(completion).__name__}; expected str (decoded text)"
-            )
-    for name, values in columns.items():
-        if values is None:
-            continue
-        if isinstance(values, str) or not hasattr(values, "__len__"):
-            raise VerifierInputError(
-                f"{verifier}: column {name!r} must be a list with one entry per completion, "
-                f"got {type(values).__name__}"
-            )
-        if len(values) != len(completions):
-            raise VerifierInputError(
-                f"{verifier}: column {name!r} has {len(values)} entries for {len(completions)} "
-                f"completions; expected one per completion"
-            )
-
-
-# --------------------------------------------------------------------------- registry
-
-
-class VerifierName(str, Enum):
-    """Names a recipe can use for verifiers (``rewards: [{name: math, weight: 1.0}, ...]``)."""
-
-    MATH = "math"  # math-verify answer checking, in killable worker processes
-    FORMAT = "format"  # R1 <think>…</think> + exactly one answer over the whole completion
-    OVERLONG = "overlong"  # DAPO soft overlong punishment (eq. 13)
-    LENGTH = "length"  # plain linear length penalty
-    CODE = "code"  # unit tests in the sandbox (posttrain.rewards.code)
-
-
-# Builders import their module on call: keeps ``import posttrain.rewards`` light and acyclic.
-def _build_math(
-    *, timeout_s: float = 3.0, workers: int = 1, literal_numbers: bool = True, memory_limit_mb: int = 4096
-) -> Verifier:
-    from posttrain.rewards.math_verifier import MathVerifier
-
-    return MathVerifier(
-        timeout_s=timeout_s, workers=workers, literal_numbers=literal_numbers, memory_limit_mb=memory_limit_mb
-    )
-
-
-def _build_format(*, think: str = "required") -> Verifier:
-    from posttrain.rewards.format import ThinkMode, format_reward
-
-    return functools.partial(format_reward, think=ThinkMode.parse(think))
-
-
-def _build_overlong(*, max_len: int, cache: int, count: str = "tokens") -> Verifier:
-    from posttrain.rewards.length import (
-        LengthUnit,
-        check_overlong_params,
-        overlong_penalty,
-    )
-
-    unit = LengthUnit.parse(count)
-    check_overlong_params(max_len=max_len, cache=cache)
-    return functools.partial(overlong_penalty, max_len=max_len, cache=cache, count=unit)
-
-
-def _build_length(*, max_len: int, count: str = "tokens") -> Verifier:
-    from posttrain.rewards.length import LengthUnit, check_length_params, length_penalty
-
-    unit = LengthUnit.parse(count)
-    check_length_params(max_len=max_len)
-    return functools.partial(length_penalty, max_len=max_len, count=unit)
-
-
-class _SandboxFailuresAreErrors:
-    """Wraps ``posttrain.rewards.code.CodeVerifier``, whose only ``None`` is "the sandbox failed"."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def __call__(self, completions: list[str], /, **columns: Any) -> Scores:
-        values = self.inner(completions, **columns)
-        return Scores(values, [Skip.ERROR if v is None else None for v in values])
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-def _build_code(
-    *,
-    backend: str = "bubblewrap",
-    limits: dict[str, Any] | None = None,
-    concurrency: int | None = None,
-    partial_credit: bool = False,
-) -> Verifier:
-    try:
-        from posttrain.rewards.code import CodeVerifier
-        from posttrain.sandbox import Limits
-    except ImportError as exc:
-        raise VerifierInputError(
-            f"verifier 'code' needs posttrain.rewards.code, which failed to import: {exc}"
-        ) from exc
-    return _SandboxFailuresAreErrors(
-        CodeVerifier(
-            backend=backend,
-            limits=None if limits is None else Limits(**limits),
-            concurrency=concurrency,
-            partial_credit=partial_credit,
-        )
-    )
-
-
-_BUILDERS: dict[VerifierName, Callable[..., Verifier]] = {
-    VerifierName.MATH: _build_math,
-    VerifierName.FORMAT: _build_format,
-    VerifierName.OVERLONG: _build_overlong,
-    VerifierName.LENGTH: _build_length,
-    VerifierName.CODE: _build_code,
-}
-
-
-def build_verifier(name: str, **params: Any) -> Verifier:
-    """Build the named verifier with its recipe parameters; unknown names/parameters are errors."""
-    try:
-        key = VerifierName(name)
-    except ValueError:
-        known = ", ".join(v.value for v in VerifierName)
-        raise VerifierInputError(f"unknown verifier {name!r}; expected one of: {known}") from None
-    builder = _BUILDERS[key]
-    signature = inspect.signature(builder)
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-    if not accepts_any:
-        allowed = list(signature.parameters)
-        for param in params:
-            if param not in signature.parameters:
-                raise VerifierInputError(
-                    f"verifier {key.value!r}: unknown parameter {param!r}; expected one of: {', '.join(allowed)}"
-                )
-        missing = [
-            p.name
-            for p in signature.parameters.values()
-            if p.default is inspect.Parameter.empty and p.name not in params
-        ]
-        if missing:
-            raise VerifierInputError(
-                f"verifier {key.value!r}: missing required parameter(s): {', '.join(missing)}"
-            )
-    return builder(**params)
-
-
-# --------------------------------------------------------------------------- combination
+from posttrain.rewards.base import Scores, Skip, Verifier, VerifierInputError, check_columns
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
-from posttrain.rewards.combine import VerifierInputError, check_columns
+from posttrain.rewards.base import VerifierInputError, check_columns
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

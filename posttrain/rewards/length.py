@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
-from posttrain.rewards.combine import VerifierInputError, check_columns
+from posttrain.rewards.base import VerifierInputError, check_columns
 
 
 class LengthUnit(str, Enum):

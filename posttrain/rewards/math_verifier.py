@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.rewards.combine import Scores, Skip, VerifierInputError, check_columns
+from posttrain.rewards.base import Scores, Skip, VerifierInputError, check_columns
 from posttrain.rewards.format import extract_answer, final_answer
 
 # ---------------------------------------------------------------------------- literals

@@ -23,7 +23,7 @@ import platform
 import re
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -283,8 +283,3 @@ def measure_cpu_peaks(*, matmul_n: int = 2048, stream_mib: int = 256, seconds_ea
         obj = peaks.to_json("fp32") | {"threads": threads, "measured_at": time.time()}
         path.write_text(json.dumps(obj, indent=2) + "\n")
     return peaks
-
-
-def peaks_table_rows() -> list[dict[str, Any]]:
-    """The table as plain rows (for docs and the CLI)."""
-    return [asdict(spec) for spec in PEAKS_TABLE]

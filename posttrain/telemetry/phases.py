@@ -29,7 +29,7 @@ import torch
 
 from posttrain.telemetry.busy import BusySampler, BusySource, source_for
 from posttrain.telemetry.costs import Cost, dtype_name
-from posttrain.telemetry.devices import Peaks, detect, missing_peaks_message
+from posttrain.telemetry.devices import Peaks, detect
 from posttrain.telemetry.roofline import OVERHEAD_BELOW, place
 from posttrain.telemetry.sinks import JsonlSink, read_jsonl_records
 
@@ -146,11 +146,6 @@ class Telemetry:
     def disabled(cls) -> Telemetry:
         """A Telemetry whose phases cost nothing and record nothing (stages run without a run dir)."""
         return cls(peaks=Peaks(name="none", kind="none"), dtype="fp32", enabled=False)
-
-    @property
-    def missing_peaks(self) -> str | None:
-        """None when verdicts can be given; else what is missing and how to give it."""
-        return missing_peaks_message(self.peaks, self.dtype)
 
     # ---- phases ---------------------------------------------------------------------------------
     def _frames(self) -> list[Phase]:
