@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.data import encode_prompt
+from posttrain.rewards import ProblemOutcome, pass_at_k_by_level
 from posttrain.runtime.config import EvalConfig
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.greedy import PhaseFn, greedy
@@ -62,8 +63,6 @@ def pass_at_k_evals(model: PreTrainedModel, tok: PreTrainedTokenizerBase, world:
     `arithmetic@T<temperature>`, metric `pass@<k>`, `n` = problems, `stderr` across problems. Greedy
     pass@1 is the `exact_match` row of `arithmetic_evals`. Sampling is seeded: same checkpoint, same numbers.
     """
-    from posttrain.rewards import ProblemOutcome, pass_at_k_by_level
-
     if temperature <= 0:
         raise ValueError(f"pass_at_k_evals: temperature must be > 0 (greedy pass@1 is exact_match), got {temperature}")
     if not ks or any(not 1 <= k <= samples for k in ks):

@@ -8,17 +8,14 @@ PyTorch ops or as the C kernels of `ckernels.py`, one method each, chosen when t
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from posttrain.rollout.cpu import ckernels
+from posttrain.rollout.cpu.interfaces import Decoder
 from posttrain.rollout.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from posttrain.rollout.cpu.fused import FusedDecoder
 
 
 class DecodePlan:
@@ -30,7 +27,7 @@ class DecodePlan:
     r reads and writes cache row `cache_rows[r]`.
     """
 
-    def __init__(self, dec: FusedDecoder, cache: KVCache, key_mask: Tensor, kind: str = "mm",
+    def __init__(self, dec: Decoder, cache: KVCache, key_mask: Tensor, kind: str = "mm",
                  lib: ctypes.CDLL | None = None, cache_rows: Tensor | None = None):
         w, dt, f32 = dec.weights, dec.compute_dtype, torch.float32
         if cache_rows is not None:

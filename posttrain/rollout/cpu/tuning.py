@@ -30,15 +30,12 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from posttrain.rollout.cpu.interfaces import DecodeWeights
 from posttrain.rollout.cpu.projections import FORMS, make_projection, projection_kind
 from posttrain.telemetry.devices import cache_dir, cpu_name
-
-if TYPE_CHECKING:
-    from posttrain.rollout.cpu.fused import FusedWeights
 
 ENV_TUNE = "POSTTRAIN_MATMUL_TUNE"
 MARGIN = 0.05  # another form must beat the static choice by this much to replace it
@@ -61,7 +58,7 @@ def cache_file() -> Path:
     return cache_dir() / f"matmul-{socket.gethostname()}.json"
 
 
-def _key(weights: FusedWeights, dtype: torch.dtype, bucket: int) -> str:
+def _key(weights: DecodeWeights, dtype: torch.dtype, bucket: int) -> str:
     lw = weights.layers[0]
     shapes = "/".join("x".join(map(str, t.shape)) for t in (lw.wqkv, lw.wo, lw.wgu, lw.wd))
     return (f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {dtype} | "
@@ -90,7 +87,7 @@ def _write_cache(key: str, entry: dict) -> None:
         pass  # a read-only home: the choice still holds for this process
 
 
-def measure(weights: FusedWeights, kinds: list[str], rows: int, rounds: int = 4, reps: int = 2) -> dict[str, float]:
+def measure(weights: DecodeWeights, kinds: list[str], rows: int, rounds: int = 4, reps: int = 2) -> dict[str, float]:
     """Seconds of one pass of every layer's four decode matmuls in each form: the best pass over
     `rounds` rounds, each of which builds every form in turn and times `reps` passes after a warm-up.
 
@@ -116,7 +113,7 @@ def measure(weights: FusedWeights, kinds: list[str], rows: int, rounds: int = 4,
     return seconds
 
 
-def tuned_kind(weights: FusedWeights, dtype: torch.dtype, rows: int, device: torch.device) -> str:
+def tuned_kind(weights: DecodeWeights, dtype: torch.dtype, rows: int, device: torch.device) -> str:
     """The decode-matmul form for `rows` rows of these weights: measured (once per machine) on a CPU;
     else `projection_kind`'s static choice."""
     static = projection_kind(dtype, rows, device, weights.nbytes)
