@@ -49,6 +49,7 @@ def test_every_projection_kind_computes_the_linear_product(kind, dtype):
     x = torch.randn(rows, 48, generator=g).to(dtype)
     ref = x.double() @ w.double().T + b.double()                      # the same bf16 values, exact products
     p = make_projection(w, b, kind, rows)
+    assert p.kind == kind                                              # the class of the form named
     # fp32: another summation order → ~1e-6 on values of size ~10; bf16: one output rounding of values
     # |y| ≲ 32 is ≤ 2^-8·32 = 0.125 (plus the bias add's rounding in `add_to`)
     tol = 1e-4 if dtype == torch.float32 else 0.25

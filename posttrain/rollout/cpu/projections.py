@@ -66,18 +66,19 @@ class MatmulForm:
     A form is chosen once per (dtype, rows) — statically (`projection_kind`) or by measurement
     (`tuning.tuned_kind`) — and built for every decode matmul by `make_projection`; the decode step then
     calls `into` / `add_to` / `__call__` without asking which form it holds. A form says, as class
-    attributes, its `name` (the recipe's `matmul:` value and the tuner's cache entry), whether the prefill
+    attributes, its `kind` (the recipe's `matmul:` value and the tuner's cache entry), whether the prefill
     multiplies by its weights too (`packs_for_prefill`), and, as class methods, whether this torch build
     can run it (`available`) and whether a build for some rows serves another row count (`reuses`).
     `w` is (out, in) contiguous, HF's layout; `b` (out,) or None.
     """
 
-    name: ClassVar[str]
+    kind: ClassVar[str]
     packs_for_prefill: ClassVar[bool] = False  # a packed layout that also beats `F.linear` at prefill sizes
 
     def __init__(self, w: Tensor, b: Tensor | None, rows: int):
         self.w, self.b, self.rows = w.contiguous(), b, rows
         self.in_features, self.dtype = w.shape[1], w.dtype
+        self.packed: Tensor | None = None  # the form's own copy of the weight, where it keeps one
 
     @classmethod
     def available(cls, dtype: torch.dtype, rows: int) -> bool:
@@ -105,7 +106,7 @@ class MatmulForm:
 class MM(MatmulForm):
     """`torch.mm` on a pre-transposed (in, out) copy, writing into the step's buffers; any rows."""
 
-    name = "mm"
+    kind = "mm"
 
     def __init__(self, w: Tensor, b: Tensor | None, rows: int):
         super().__init__(w, b, rows)
@@ -135,7 +136,7 @@ class MKLPacked(MatmulForm):
     another count, so fewer rows are zero-padded up to `rows` (at these sizes the GEMM streams the weights
     whatever the row count, and repacking costs ~7 decode steps)."""
 
-    name = "mkl"
+    kind = "mkl"
 
     def __init__(self, w: Tensor, b: Tensor | None, rows: int):
         super().__init__(w, b, rows)
@@ -165,7 +166,7 @@ class MKLPacked(MatmulForm):
 class DNNPacked(MatmulForm):
     """oneDNN's packed GEMM (fp32 or bf16, AMX where the CPU has it); `rows` is a packing hint only."""
 
-    name = "dnn"
+    kind = "dnn"
     packs_for_prefill = True
 
     def __init__(self, w: Tensor, b: Tensor | None, rows: int):
@@ -187,7 +188,7 @@ class DNNPacked(MatmulForm):
 class MV(MatmulForm):
     """Matrix-vector on the (out, in) copy itself, for one row."""
 
-    name = "mv"
+    kind = "mv"
 
     def __init__(self, w: Tensor, b: Tensor | None, rows: int):
         if rows != 1:
@@ -217,7 +218,7 @@ class CGemm(MatmulForm):
     """Our C kernel (`ckernels.py`), fp32 or bf16, on weights packed in blocks of 16 columns; any rows,
     bias and residual add fused (bf16: one rounding)."""
 
-    name = "c"
+    kind = "c"
     packs_for_prefill = True
 
     def __init__(self, w: Tensor, b: Tensor | None, rows: int):
@@ -266,7 +267,7 @@ class CGemm(MatmulForm):
         self._c(x, h, True)
 
 
-FORMS: dict[str, type[MatmulForm]] = {f.name: f for f in (MM, MKLPacked, DNNPacked, MV, CGemm)}  # the tuner's order
+FORMS: dict[str, type[MatmulForm]] = {f.kind: f for f in (MM, MKLPacked, DNNPacked, MV, CGemm)}  # the tuner's order
 PROJECTION_KINDS = tuple(FORMS)
 
 
