@@ -35,3 +35,43 @@ def run_evals(plan: list[tuple[EvalSpec, Task, EvalRequest]], model: Any, tok: A
 
 def as_json(records: list[EvalRecord]) -> list[dict]:
     return [asdict(r) for r in records]
+
+
+def evaluate_checkpoint(checkpoint: str, spec: EvalSpec, *, seed: int = 0, threads: int | None = None,
+                        device: str = "cpu") -> list[EvalRecord]:
+    """`posttrain eval`: one eval of any HF checkpoint folder (ours or not; or a named built-in
+    checkpoint such as smollm2-135m-instruct), nothing else built. Returns its EvalRecords."""
+    import torch
+
+    from posttrain.models import load_model, load_tokenizer
+    from posttrain.pipeline.run import init_folder
+    from posttrain.runtime.context import eval_key, eval_request
+    from posttrain.tasks import TaskSet, build_task
+    from posttrain.tasks.verified import JsonlTask
+
+    if threads:
+        torch.set_num_threads(threads)
+    folder = init_folder(checkpoint)
+    tok, model = load_tokenizer(folder), load_model(folder, device=torch.device(device))
+    task = (build_task(spec.task, arithmetic_eval_per_level=spec.per_level_or_default or 0) if spec.task is not None
+            else JsonlTask(spec.path, spec.verifier or "", name=spec.name, params=spec.params))
+    tasks = TaskSet({eval_key(spec): lambda: task})
+    try:
+        return run_evals([(spec, tasks.get(eval_key(spec)), eval_request(spec, seed=seed))], model, tok,
+                         stage="eval", checkpoint=str(checkpoint))
+    finally:
+        tasks.close()
+
+
+def eval_table(records: list[EvalRecord]):
+    """A rich table of eval rows: eval · metric, level, value ± standard error, problems."""
+    from rich.table import Table
+
+    table = Table(title="posttrain eval")
+    for col, justify in (("eval", "left"), ("metric", "left"), ("level", "left"), ("value", "right"),
+                         ("± stderr", "right"), ("n", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for r in records:
+        se = "" if r.stderr is None or r.stderr != r.stderr else f"{100 * r.stderr:.1f}"
+        table.add_row(r.eval, r.metric, r.level or "all", f"{100 * r.value:.1f}%", se, str(r.n))
+    return table

@@ -28,6 +28,7 @@ from posttrain.runtime.config import Recipe, dump_recipe
 from posttrain.runtime.context import RunContext, StageResult, eval_plan, make_tasks
 from posttrain.pipeline.evals import as_json, run_evals
 from posttrain.tasks import Capability, TaskSet
+from posttrain.tasks.base import RECORD_KINDS
 from posttrain.tasks.records import EvalRecord
 from posttrain.stages.pretrain import run_pretrain
 from posttrain.stages.sft import run_sft
@@ -58,16 +59,25 @@ def record_kind(stage) -> str:
             "rejection_sampling": "problem"}[stage.stage]
 
 
-def validate_inputs(recipe: Recipe, tokenizer, run_dir: Path) -> None:
-    """Read and encode every data file the recipe names, before anything is written.
+def validate_inputs(recipe: Recipe, tokenizer, run_dir: Path, tasks: TaskSet | None = None) -> None:
+    """Read and encode every data file the recipe names, and check every data task supplies the
+    records its stage reads, before anything is written.
 
     A file an earlier rejection-sampling stage will write is accepted unread; one written by a later
     stage is an error. Raises DataError naming the file, the line and the field (or the over-long
     record)."""
     produced = produced_paths(recipe, run_dir)
+    for e in recipe.evals:
+        if e.path is not None:
+            read_jsonl(e.path, "problem")
     for i, stage in enumerate(recipe.stages):
         for src in getattr(stage, "data", []):
             if src.path is None:
+                task = tasks.get(src.task) if tasks is not None else None
+                kind = record_kind(stage)
+                if task is not None and not task.has(RECORD_KINDS[kind]):
+                    raise RunError(f"stages[{i}].data: task {src.task!r} supplies no {kind} records "
+                                   f"(it supplies: {', '.join(sorted(c.value for c in task.capabilities))})")
                 continue
             writer = produced.get(src.path.resolve())
             if writer is not None:
@@ -180,7 +190,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
         console.print(f"[dim]{tasks.get(name).describe()}")
     if not plan:
         console.print("[dim]evals: none (the recipe names no `evals`)")
-    validate_inputs(recipe, tokenizer, run_dir)  # before anything is written
+    validate_inputs(recipe, tokenizer, run_dir, tasks)  # before anything is written
     prepare_run_dir(run_dir, resume=resume, fresh=fresh)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     if base_done is None:

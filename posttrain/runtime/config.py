@@ -300,6 +300,14 @@ class EvalSpec(Strict):
         _check_task(self.task)
         if self.path is not None and self.verifier is None:
             raise ValueError("`verifier` (e.g. math) is required with `path`: it judges each reply")
+        if self.verifier is not None:
+            from posttrain.rewards.combine import VerifierName
+
+            known = [v.value for v in VerifierName]
+            if self.verifier not in known:
+                raise ValueError(f"unknown verifier {self.verifier!r}; expected one of {known}")
+            if self.task is not None:
+                raise ValueError("`verifier` goes with `path`; a built-in task judges replies its own way")
         if self.samples is not None and self.k and max(self.k) > self.samples:
             raise ValueError(f"every k must be ≤ samples={self.samples}, got k={self.k}")
         if any(k < 1 for k in self.k):

@@ -5,9 +5,9 @@ in the sandbox), `humaneval` (eval-only), and `jsonl` (a user's files, judged by
 Nothing of a task is built until a stage or an eval asks for it.
 """
 
-from posttrain.tasks.base import Capability, EvalRequest, MissingCapability, Task
+from posttrain.tasks.base import Capability, EvalRequest, MissingCapability, Task, TaskError
 from posttrain.tasks.records import EvalRecord, binomial_stderr
 from posttrain.tasks.registry import BUILTIN, MissingTask, TaskSet, build_task
 
-__all__ = ["BUILTIN", "Capability", "EvalRecord", "EvalRequest", "MissingCapability", "MissingTask", "Task",
+__all__ = ["BUILTIN", "Capability", "EvalRecord", "EvalRequest", "MissingCapability", "MissingTask", "Task", "TaskError",
            "TaskSet", "binomial_stderr", "build_task"]

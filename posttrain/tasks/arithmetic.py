@@ -21,7 +21,7 @@ from typing import Any
 from posttrain.data import encode_prompt, parse_record
 from posttrain.data.records import Problem, Record
 from posttrain.rollout.greedy import greedy
-from posttrain.tasks.base import Capability, EvalRequest, PhaseFn, Task
+from posttrain.tasks.base import Capability, EvalRequest, PhaseFn, Task, TaskError
 from posttrain.tasks.evaluate import eval_sets, rate, sampled_pass_at_k
 from posttrain.tasks.records import EvalRecord
 from posttrain.worlds.arithmetic import (
@@ -116,7 +116,7 @@ class ArithmeticTask(Task):
     # ---- judges ----------------------------------------------------------------------------------
     def eval_problems(self, level: str | None) -> list[Problem]:
         if level not in LEVELS:
-            raise ValueError(f"task 'arithmetic': unknown level {level!r}; expected one of {list(LEVELS)}")
+            raise TaskError(f"task 'arithmetic': unknown level {level!r}; expected one of {list(LEVELS)}")
         # One fixed phrasing per problem, so a checkpoint's score moves only with the checkpoint.
         return [as_problem(r, f"eval[{level}][{i}]") for i, r in enumerate(self.world.eval_problems(level))]
 

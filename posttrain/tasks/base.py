@@ -42,7 +42,11 @@ RECORD_KINDS: dict[str, Capability] = {"sft": Capability.SFT, "preference": Capa
                                        "problem": Capability.PROBLEMS}
 
 
-class MissingCapability(ValueError):
+class TaskError(ValueError):
+    """A task asked for something it cannot give (a capability, a level); one line naming the task."""
+
+
+class MissingCapability(TaskError):
     """A task asked for something it does not supply; the message names the task and what it has."""
 
     def __init__(self, task: Task, capability: Capability | str):
@@ -97,7 +101,7 @@ class Task:
     def records(self, kind: str, n: int, *, seed_offset: int = 0, levels: Sequence[str] | None = None) -> list[Record]:
         """`n` records of a `posttrain.data` kind (sft, preference, unpaired, ranking, problem)."""
         if kind not in RECORD_KINDS:
-            raise ValueError(f"task {self.name!r}: unknown record kind {kind!r}; expected one of {sorted(RECORD_KINDS)}")
+            raise TaskError(f"task {self.name!r}: unknown record kind {kind!r}; expected one of {sorted(RECORD_KINDS)}")
         if not self.has(RECORD_KINDS[kind]):
             raise self._missing(RECORD_KINDS[kind])
         if levels is not None:
@@ -110,7 +114,7 @@ class Task:
     def check_levels(self, levels: Sequence[str]) -> None:
         unknown = [lv for lv in levels if lv not in self.levels]
         if unknown:
-            raise ValueError(f"task {self.name!r}: unknown level(s) {unknown}; expected some of {list(self.levels)}")
+            raise TaskError(f"task {self.name!r}: unknown level(s) {unknown}; expected some of {list(self.levels) or 'none (it has no levels)'}")
 
     # ---- evals -----------------------------------------------------------------------------------
     def eval_problems(self, level: str | None) -> list[Problem]:

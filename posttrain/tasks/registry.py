@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.tasks.base import Capability, EvalRequest, PhaseFn, Task
+from posttrain.tasks.base import Capability, EvalRequest, PhaseFn, Task, TaskError
 from posttrain.tasks.records import EvalRecord
 
 BUILTIN = ("arithmetic", "code", "humaneval")
@@ -37,7 +37,7 @@ class HumanEvalTask(Task):
                                   phase=phase, limit=request.per_level)
 
 
-class MissingTask(ValueError):
+class MissingTask(TaskError):
     """A task name that is not built in (the message lists the ones that are)."""
 
 
