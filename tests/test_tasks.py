@@ -185,3 +185,42 @@ def test_an_eval_file_is_validated_before_the_run(tmp_path, smollm2):
     with pytest.raises(DataError, match="e.jsonl:1"):
         run_pipeline(recipe, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+# ---- posttrain eval ------------------------------------------------------------------------------
+def test_posttrain_eval_writes_rows_and_a_table(tmp_path, policy_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from posttrain.cli import app
+
+    rows = [{"prompt": f"{a}+{a}?", "answer": str(2 * a), "level": "x" if a < 3 else "y"} for a in range(1, 5)]
+    path = write_jsonl(tmp_path / "add.jsonl", rows)
+    out = tmp_path / "rows.jsonl"
+    result = CliRunner().invoke(app, ["eval", str(policy_dir), "--path", str(path), "--verifier", "math", "--k", "1", "--k", "2",
+                                      "--max-new-tokens", "4", "--out", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    # greedy pass@1 for x, y, pooled; then add@T1 pass@1, pass@2 for x, y, pooled
+    assert [(r["eval"], r["level"], r["metric"]) for r in recs] == [
+        ("add", "x", "pass@1"), ("add", "y", "pass@1"), ("add", None, "pass@1"),
+        ("add@T1", "x", "pass@1"), ("add@T1", "x", "pass@2"), ("add@T1", "y", "pass@1"), ("add@T1", "y", "pass@2"),
+        ("add@T1", None, "pass@1"), ("add@T1", None, "pass@2")]
+    assert all(r["stage"] == "eval" and r["checkpoint"] == str(policy_dir) for r in recs)
+    assert "posttrain eval" in result.output and f"wrote 9 rows to {out}" in result.output.replace("\n", "")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--task", "nope"], "unknown task 'nope'"),
+    (["--path", "missing.jsonl", "--verifier", "math"], "missing.jsonl: file does not exist"),
+    (["--task", "arithmetic", "--levels", "L9", "--per-level", "1"], "unknown level"),
+    (["--task", "arithmetic", "--k", "4", "--samples", "2"], "every k must be ≤ samples=2"),
+])
+def test_posttrain_eval_bad_input_is_one_line(tmp_path, policy_dir, args, needle, monkeypatch):
+    from typer.testing import CliRunner
+
+    from posttrain.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["eval", str(policy_dir), *args], env={"COLUMNS": "400"})
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output
