@@ -32,10 +32,11 @@ def _guard(fn: Callable[[], T]) -> T:
     from posttrain.runtime.config import RecipeError
     from posttrain.pipeline.run import RunError
     from posttrain.report import ReportError
+    from posttrain.tasks import TaskError
 
     try:
         return fn()
-    except (RecipeError, DataError, CheckpointError, RunError, ModelLoadError, ReportError) as e:
+    except (RecipeError, DataError, CheckpointError, RunError, ModelLoadError, ReportError, TaskError) as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
@@ -83,6 +84,50 @@ def run(
 ) -> None:
     """Run a recipe."""
     _run(recipe, out, resume, overrides or [], fresh=False)
+
+
+@app.command("eval")
+def eval_(
+    checkpoint: Annotated[str, typer.Argument(help="an HF checkpoint folder (ours or not), or a named one: smollm2-135m-instruct")],
+    task: Annotated[str | None, typer.Option(help="a built-in task: arithmetic, code, humaneval")] = None,
+    path: Annotated[Path | None, typer.Option(help="a `problem` JSONL file (docs/data.md) instead of --task")] = None,
+    verifier: Annotated[str | None, typer.Option(help="the verifier that judges replies to --path (math, code, …)")] = None,
+    k: Annotated[list[int] | None, typer.Option(help="sampled pass@k, repeatable: --k 1 --k 10")] = None,
+    samples: Annotated[int | None, typer.Option(help="samples per problem for pass@k (default max k)")] = None,
+    temperature: Annotated[float, typer.Option(help="sampling temperature of the pass@k samples")] = 1.0,
+    levels: Annotated[list[str] | None, typer.Option(help="levels to evaluate, repeatable (default: all)")] = None,
+    per_level: Annotated[int | None, typer.Option(help="problems per level (or in all, for a task without levels)")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="answer budget")] = 48,
+    batch_size: Annotated[int, typer.Option(help="prompts per generation batch")] = 32,
+    greedy: Annotated[bool, typer.Option(help="greedy pass@1 per level")] = True,
+    threads: Annotated[int | None, typer.Option(help="torch intra-op threads")] = None,
+    out: Annotated[Path | None, typer.Option(help="write the rows as JSONL (EvalRecord, docs/run_dir.md)")] = None,
+) -> None:
+    """Evaluate a checkpoint on one task or problem file: greedy and sampled pass@k, per level, with standard errors."""
+    _quiet_libraries()
+    import json
+
+    from pydantic import ValidationError
+
+    from posttrain.pipeline.evals import as_json, eval_table, evaluate_checkpoint
+    from posttrain.runtime.config import EvalSpec, RecipeError, format_validation_error
+
+    def spec() -> EvalSpec:
+        fields = {"task": task, "path": path, "verifier": verifier, "k": k or [], "samples": samples,
+                  "temperature": temperature, "levels": levels or None, "per_level": per_level,
+                  "max_new_tokens": max_new_tokens, "batch_size": batch_size, "greedy": greedy}
+        try:
+            return EvalSpec.model_validate({key: v for key, v in fields.items() if v is not None})
+        except ValidationError as e:
+            raise RecipeError(format_validation_error(e, "posttrain eval")) from None
+
+    chosen = _guard(spec)
+    records = _guard(lambda: evaluate_checkpoint(checkpoint, chosen, threads=threads))
+    console.print(eval_table(records))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(r) + "\n" for r in as_json(records)))
+        console.print(f"wrote {len(records)} rows to {out}")
 
 
 @app.command()

@@ -61,6 +61,14 @@ def tokenizer(world):
     return train_tokenizer(texts, vocab_size=512)
 
 
+def world_tasks(world):
+    """A TaskSet holding only the arithmetic task over `world` (what a recipe naming it gets)."""
+    from posttrain.tasks import TaskSet
+    from posttrain.tasks.arithmetic import ArithmeticTask
+
+    return TaskSet.of(ArithmeticTask(world=world))
+
+
 class ListSink:
     """A metric sink that keeps records in memory (for stage tests that inspect what was logged)."""
 
@@ -94,12 +102,12 @@ def tiny_recipe_dict(**over) -> dict:
         "seed": 0,
         "threads": 2,
         "model": {"init": "tiny-1m", "vocab_size": 400},
-        "eval": {"per_level": 8, "levels": ["L1", "L2"], "max_new_tokens": 24, "batch_size": 16},
+        "evals": [{"task": "arithmetic", "per_level": 8, "levels": ["L1", "L2"], "max_new_tokens": 24, "batch_size": 16}],
         "stages": [
             {"stage": "pretrain", "steps": 8, "batch_size": 8, "seq_len": 64, "documents": 300,
              "save_every": 3, "log_every": 1, "optim": {"lr": 3e-3, "warmup_steps": 2}},
             {"stage": "sft", "steps": 8, "batch_size": 8, "max_len": 96, "heldout": 16,
-             "data": [{"world": "arithmetic", "n": 200}], "save_every": 3, "log_every": 1,
+             "data": [{"task": "arithmetic", "n": 200}], "save_every": 3, "log_every": 1,
              "optim": {"lr": 3e-3, "warmup_steps": 2}},
         ],
     }

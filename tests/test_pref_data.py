@@ -26,6 +26,7 @@ from posttrain.stages._preference_data import (
     world_rankings,
 )
 from posttrain.worlds.arithmetic import Fact, gold_reward
+from conftest import world_tasks
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,7 +53,7 @@ def test_file_pairs_skip_ties_and_count_them(tmp_path, world):
         {"prompt": "What is 4+4?", "chosen": "8", "rejected": "8"},
         {"prompt": "What is 1+1?", "chosen": "2", "rejected": " 2"},
     ])
-    loaded = load_records(world, [DataSource(path=path)], "preference", seed=0)
+    loaded = load_records(world_tasks(world), [DataSource(path=path)], "preference", seed=0)
     assert len(loaded.records) == 1  # rows 2 and 3 tie (identical after stripping)
     assert loaded.skipped == {"identical chosen and rejected": 2}
     assert "skipped 2 with identical chosen and rejected (lines 2, 3)" in loaded.summaries[0]
@@ -67,18 +68,18 @@ def test_file_pairs_skip_ties_and_count_them(tmp_path, world):
 def test_bad_preference_input_is_an_error_naming_the_line(tmp_path, world, kind, row, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [row])
     with pytest.raises(DataError, match=message) as err:
-        load_records(world, [DataSource(path=path)], kind, seed=0)
+        load_records(world_tasks(world), [DataSource(path=path)], kind, seed=0)
     assert "bad.jsonl:1" in str(err.value)
 
 
 def test_a_file_of_only_ties_is_an_error(tmp_path, world):
     path = write_jsonl(tmp_path / "ties.jsonl", [{"prompt": "x?", "chosen": "1", "rejected": "1"}])
     with pytest.raises(DataError, match="no usable preference records: all 1 rows were skipped"):
-        load_records(world, [DataSource(path=path)], "preference", seed=0)
+        load_records(world_tasks(world), [DataSource(path=path)], "preference", seed=0)
 
 
 def test_world_unpaired_split_alternates_good_and_bad(world):
-    loaded = load_records(world, [DataSource(world="arithmetic", n=6)], "unpaired", seed=0)
+    loaded = load_records(world_tasks(world), [DataSource(world="arithmetic", n=6)], "unpaired", seed=0)
     assert [r.label for r in loaded.records] == [True, False, True, False, True, False]
     assert loaded.records[0].prompt == loaded.records[1].prompt  # the two halves of one world pair
 
@@ -93,7 +94,7 @@ def test_kto_partners_never_pair_an_example_with_its_own_prompt():
 
 
 def test_trim_to_response_ends_on_the_reply_eos(tokenizer, world):
-    pair = load_records(world, [DataSource(world="arithmetic", n=1)], "preference", seed=0).records[0]
+    pair = load_records(world_tasks(world), [DataSource(world="arithmetic", n=1)], "preference", seed=0).records[0]
     chosen, rejected = encode_ranking_like(pair, tokenizer, 160, "error")
     for enc in (chosen, rejected):
         assert enc.input_ids[-1] == tokenizer.eos_token_id  # <|im_end|>, not the template's newline after it

@@ -21,7 +21,7 @@ from posttrain.stages.dpo import run_dpo
 from posttrain.stages.ppo import run_ppo
 from posttrain.stages.reward_model import run_reward_model
 from posttrain.telemetry import Telemetry
-from conftest import ListSink, make_reward_model
+from conftest import ListSink, make_reward_model, world_tasks
 
 FAST = {"lr": 3e-3, "warmup_steps": 1, "min_lr_ratio": 1.0}
 
@@ -33,7 +33,7 @@ def make_ctx(run_dir: Path, start: Path, tokenizer, world, stage) -> tuple[RunCo
     torch.manual_seed(0)
     recipe = Recipe(stages=[stage], threads=1)
     sink = ListSink()
-    ctx = RunContext(run_dir=run_dir, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer, world=world,
+    ctx = RunContext(run_dir=run_dir, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer, tasks=world_tasks(world),
                      telemetry=Telemetry.disabled(), sink=sink, start=start)
     return ctx, sink
 

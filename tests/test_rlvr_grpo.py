@@ -34,14 +34,14 @@ from posttrain.stages.grpo import (
     run_grpo,
 )
 from posttrain.telemetry import Telemetry
-from conftest import ListSink
+from conftest import ListSink, world_tasks
 
 
 def make_ctx(run_dir: Path, start: Path, tokenizer, world, stage) -> tuple[RunContext, ListSink]:
     torch.manual_seed(0)
-    recipe = Recipe(stages=[stage], threads=1, eval={"levels": ["L2"], "max_new_tokens": 16})
+    recipe = Recipe(stages=[stage], threads=1, evals=[{"task": "arithmetic", "levels": ["L2"], "max_new_tokens": 16}])
     sink = ListSink()
-    return RunContext(run_dir=run_dir, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer, world=world,
+    return RunContext(run_dir=run_dir, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer, tasks=world_tasks(world),
                       telemetry=Telemetry.disabled(), sink=sink, start=start), sink
 
 

@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from posttrain.data import Problem, read_jsonl
-from posttrain.pipeline import evals as evals_mod
+from posttrain.tasks import EvalRequest, evaluate as evals_mod
+from posttrain.tasks.arithmetic import ArithmeticTask
 from posttrain.runtime.config import (
-    EvalConfig,
     Recipe,
     RejectionSamplingStage,
     SFTStage,
 )
 from posttrain.runtime.context import RunContext
-from posttrain.pipeline.evals import pass_at_k_evals
 from posttrain.stages.rejection_sampling import (
     output_path,
     produced_paths,
@@ -25,7 +24,7 @@ from posttrain.stages.rejection_sampling import (
 )
 from posttrain.stages.sft import run_sft
 from posttrain.telemetry import Telemetry
-from conftest import ListSink, make_reward_model
+from conftest import ListSink, make_reward_model, world_tasks
 
 PROBLEM = Problem(prompt="What is 2+3?", answer="5", level="L1")
 
@@ -61,7 +60,7 @@ def test_rejection_sampling_writes_sft_data_an_sft_stage_reads(tmp_path, policy_
                    data=[{"path": str(tmp_path / "data" / "rejection_sampling.jsonl")}])
     recipe = Recipe(stages=[rs, sft], threads=1)
     sink = ListSink()
-    ctx = RunContext(run_dir=tmp_path, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer, world=world,
+    ctx = RunContext(run_dir=tmp_path, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer, tasks=world_tasks(world),
                      telemetry=Telemetry.disabled(), sink=sink, start=policy_dir)
     result = run_rejection_sampling(rs, ctx)
     out = output_path(rs, tmp_path)
@@ -109,8 +108,9 @@ def test_pass_at_k_evals_by_hand(world, tokenizer, monkeypatch):
     problems = world.eval_problems("L2")[:3]
     engine = _ScriptedEngine([int(p["answer"]) for p in problems], correct=[0, 1, 4])
     monkeypatch.setattr(evals_mod, "make_engine", lambda *a, **k: engine)
-    cfg = EvalConfig(per_level=3, levels=["L2"], batch_size=8)  # 8 rows / 4 samples = 2 prompts per call
-    recs = pass_at_k_evals(torch.nn.Linear(1, 1), tokenizer, world, cfg, stage="grpo", checkpoint="c", samples=4, ks=(1, 2))
+    task = ArithmeticTask(world=world)
+    req = EvalRequest(per_level=3, levels=("L2",), batch_size=8, greedy=False, probe=False, k=(1, 2), samples=4)  # 8 rows / 4 samples = 2 prompts per call
+    recs = task.evaluate(torch.nn.Linear(1, 1), tokenizer, req, stage="grpo", checkpoint="c")
     by = {(r.level, r.metric): r for r in recs}
     # c = (0, 1, 4) of n = 4. pass@1 = mean(c/n) = (0 + 0.25 + 1)/3 = 0.41667
     assert by[("L2", "pass@1")].value == pytest.approx(0.416667, abs=1e-5)
@@ -121,7 +121,8 @@ def test_pass_at_k_evals_by_hand(world, tokenizer, monkeypatch):
     assert by[("L2", "pass@2")].stderr == pytest.approx(0.288675, abs=1e-5)
     assert {r.eval for r in recs} == {"arithmetic@T1"} and all(r.n == 3 for r in recs)
     with pytest.raises(ValueError, match="every k"):
-        pass_at_k_evals(torch.nn.Linear(1, 1), tokenizer, world, cfg, stage="s", checkpoint="c", samples=4, ks=(8,))
+        task.evaluate(torch.nn.Linear(1, 1), tokenizer, EvalRequest(levels=("L2",), per_level=3, greedy=False, probe=False,
+                                                                    k=(8,), samples=4), stage="s", checkpoint="c")
 
 
 # ---- scoring by a reward model -----------------------------------------------------------------
@@ -132,7 +133,7 @@ def _kept(tmp_path, name, policy_dir, tokenizer, world, **stage):
     cfg = RejectionSamplingStage(name=name, samples=8, batch_prompts=16, max_new_tokens=32, min_reward=-1e9,
                                  data=[{"world": "arithmetic", "n": 16}], **stage)
     ctx = RunContext(run_dir=tmp_path, recipe=Recipe(stages=[cfg], threads=1), device=torch.device("cpu"),
-                     tokenizer=tokenizer, world=world, telemetry=Telemetry.disabled(), sink=ListSink(), start=policy_dir)
+                     tokenizer=tokenizer, tasks=world_tasks(world), telemetry=Telemetry.disabled(), sink=ListSink(), start=policy_dir)
     run_rejection_sampling(cfg, ctx)
     rows = [json.loads(line) for line in output_path(cfg, tmp_path).read_text().splitlines()]
     return {(json.dumps(r["messages"][:-1]), r["messages"][-1]["content"]): r["reward"] for r in rows}

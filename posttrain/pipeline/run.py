@@ -21,13 +21,15 @@ import torch
 from rich.console import Console
 
 from posttrain.data import encode_sft_dataset, read_jsonl
-from posttrain.models import build_tiny, count_parameters, load_model, load_tokenizer, train_tokenizer
+from posttrain.models import build_tiny, count_parameters, load_model, load_tokenizer, smollm2_135m_instruct, train_tokenizer
 from posttrain.models.tiny import PRESETS
 from posttrain.rollout.engine import backend_unavailable_reason
 from posttrain.runtime.checkpoint import CheckpointError, final_checkpoint, latest_checkpoint, publish
 from posttrain.runtime.config import Recipe, dump_recipe
-from posttrain.runtime.context import RunContext, StageResult
-from posttrain.pipeline.evals import arithmetic_evals, as_json, pass_at_k_evals
+from posttrain.runtime.context import RunContext, StageResult, eval_plan, make_tasks
+from posttrain.pipeline.evals import as_json, run_evals
+from posttrain.tasks import Capability, TaskSet
+from posttrain.tasks.base import RECORD_KINDS
 from posttrain.tasks.records import EvalRecord
 from posttrain.stages.pretrain import run_pretrain
 from posttrain.stages.sft import run_sft
@@ -37,12 +39,13 @@ from posttrain.stages.ppo import run_ppo
 from posttrain.stages.grpo import run_grpo
 from posttrain.stages.rejection_sampling import produced_paths, run_rejection_sampling
 from posttrain.telemetry import JsonlSink, Telemetry
-from posttrain.worlds.arithmetic import ArithmeticWorld
 
 STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft": run_sft, "grpo": run_grpo,
                                                  "rejection_sampling": run_rejection_sampling,
                                                  "reward_model": run_reward_model, "dpo": run_dpo, "ppo": run_ppo}
 BASE = "base"  # checkpoints/base: the initial model (built from scratch or loaded)
+# `model.init` names a built-in checkpoint resolved offline (no hub): the name → a function returning its folder
+NAMED_CHECKPOINTS: dict[str, Callable[[], Path]] = {"smollm2-135m-instruct": smollm2_135m_instruct}
 
 
 class RunError(ValueError):
@@ -57,16 +60,25 @@ def record_kind(stage) -> str:
             "rejection_sampling": "problem"}[stage.stage]
 
 
-def validate_inputs(recipe: Recipe, tokenizer, run_dir: Path) -> None:
-    """Read and encode every data file the recipe names, before anything is written.
+def validate_inputs(recipe: Recipe, tokenizer, run_dir: Path, tasks: TaskSet | None = None) -> None:
+    """Read and encode every data file the recipe names, and check every data task supplies the
+    records its stage reads, before anything is written.
 
     A file an earlier rejection-sampling stage will write is accepted unread; one written by a later
     stage is an error. Raises DataError naming the file, the line and the field (or the over-long
     record)."""
     produced = produced_paths(recipe, run_dir)
+    for e in recipe.evals:
+        if e.path is not None:
+            read_jsonl(e.path, "problem")
     for i, stage in enumerate(recipe.stages):
         for src in getattr(stage, "data", []):
             if src.path is None:
+                task = tasks.get(src.task) if tasks is not None else None
+                kind = record_kind(stage)
+                if task is not None and not task.has(RECORD_KINDS[kind]):
+                    raise RunError(f"stages[{i}].data: task {src.task!r} supplies no {kind} records "
+                                   f"(it supplies: {', '.join(sorted(c.value for c in task.capabilities))})")
                 continue
             writer = produced.get(src.path.resolve())
             if writer is not None:
@@ -80,8 +92,14 @@ def validate_inputs(recipe: Recipe, tokenizer, run_dir: Path) -> None:
 
 def check_model_init(recipe: Recipe) -> None:
     init = recipe.model.init
-    if init not in PRESETS and not (Path(init) / "config.json").is_file():
-        raise RunError(f"model.init: {init!r} is neither a tiny preset {sorted(PRESETS)} nor a folder with a config.json")
+    if init not in PRESETS and init not in NAMED_CHECKPOINTS and not (Path(init) / "config.json").is_file():
+        raise RunError(f"model.init: {init!r} is neither a tiny preset {sorted(PRESETS)}, a named checkpoint "
+                       f"{sorted(NAMED_CHECKPOINTS)}, nor a folder with a config.json")
+
+
+def init_folder(init: str) -> Path:
+    """The HF folder `model.init` names (a named built-in checkpoint resolved to its cached folder)."""
+    return NAMED_CHECKPOINTS[init]() if init in NAMED_CHECKPOINTS else Path(init)
 
 
 def check_backends(recipe: Recipe) -> None:
@@ -111,29 +129,28 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_world(recipe: Recipe) -> ArithmeticWorld:
-    """The recipe's arithmetic world. It holds out at least `eval.per_level` problems per level (the
-    world's default 200, or more where the recipe asks for a larger eval and the level has them:
-    L2 and L3 are sampled from thousands), and every training split excludes them."""
-    return ArithmeticWorld(seed=recipe.world_seed,
-                           eval_per_level=max(ArithmeticWorld.eval_per_level, recipe.eval.per_level))
+def tokenizer_texts(tasks: TaskSet) -> list[str]:
+    """What a from-scratch tokenizer is trained on: the texts of every recipe task that has some."""
+    texts = [t for name in tasks.names if tasks.get(name).has(Capability.TOKENIZER) for t in tasks.get(name).tokenizer_texts()]
+    if not texts:
+        raise RunError(f"model.init: a tiny preset is built from scratch with a tokenizer trained on the recipe's task texts, "
+                       f"but none of its tasks {tasks.names} has any (the `arithmetic` task does); or give a model folder")
+    return texts
 
 
-def make_base(recipe: Recipe, world: ArithmeticWorld, console: Console):
-    """The initial (model, tokenizer), in memory: a tiny model with a tokenizer trained on the world,
-    or the user's model folder."""
+def make_base(recipe: Recipe, tasks: TaskSet, console: Console):
+    """The initial (model, tokenizer), in memory: a tiny model with a tokenizer trained on the recipe's
+    tasks, or the user's model folder (or a named built-in checkpoint)."""
     m = recipe.model
     if m.init in PRESETS:
-        # The tokenizer sees the world's pretraining prose and chat turns (as a real one sees broad text).
-        texts = list(world.pretrain_documents(5000, seed_offset=99))
-        texts += [f"user\n{ex[0]['content']}\nassistant\n{ex[1]['content']}" for ex in world.sft_split(2000, seed_offset=99)]
-        tok = train_tokenizer(texts, vocab_size=m.vocab_size)
+        tok = train_tokenizer(tokenizer_texts(tasks), vocab_size=m.vocab_size)
         model = build_tiny(m.init, vocab_size=len(tok), seed=recipe.seed, arch=m.arch, max_seq_len=m.max_seq_len,
                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         console.print(f"base: {m.init} ({m.arch}) built from scratch, {count_parameters(model):,} parameters, vocabulary {len(tok)}")
         return model, tok
-    tok, model = load_tokenizer(m.init), load_model(m.init)
-    console.print(f"base: loaded {m.init}, {count_parameters(model):,} parameters")
+    folder = init_folder(m.init)
+    tok, model = load_tokenizer(folder), load_model(folder)
+    console.print(f"base: loaded {m.init}{'' if str(folder) == m.init else f' ({folder})'}, {count_parameters(model):,} parameters")
     return model, tok
 
 
@@ -163,22 +180,28 @@ def truncate_after(path: Path, keep: Callable[[dict], bool]) -> None:
 
 
 def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: bool = False,
-                 console: Console | None = None, world: ArithmeticWorld | None = None) -> list[EvalRecord]:
+                 console: Console | None = None, world=None) -> list[EvalRecord]:
     """Run the recipe's stages into `run_dir`, evaluating after each; returns every eval record.
 
-    `world`: the arithmetic world to use instead of `make_world(recipe)` (e.g. one whose `drawn` set
-    the caller reads afterwards to check an eval set against everything the run trained on)."""
+    `world`: an ArithmeticWorld for the `arithmetic` task instead of building one (e.g. one whose
+    `drawn` set the caller reads afterwards to check an eval set against everything the run trained
+    on); used only if the recipe names that task. Tasks the recipe does not name are never built."""
     console = console or Console()
     check_model_init(recipe)
     check_backends(recipe)
     seed_everything(recipe.seed)
-    world = world or make_world(recipe)
+    tasks = make_tasks(recipe, world)
+    plan = eval_plan(recipe, tasks)
     base_done = final_checkpoint(run_dir / "checkpoints" / BASE) if resume else None
     if base_done is not None:
         start, tokenizer = base_done, load_tokenizer(base_done)
     else:
-        base_model, tokenizer = make_base(recipe, world, console)
-    validate_inputs(recipe, tokenizer, run_dir)  # before anything is written
+        base_model, tokenizer = make_base(recipe, tasks, console)
+    for name in tasks.names:
+        console.print(f"[dim]{tasks.get(name).describe()}")
+    if not plan:
+        console.print("[dim]evals: none (the recipe names no `evals`)")
+    validate_inputs(recipe, tokenizer, run_dir, tasks)  # before anything is written
     prepare_run_dir(run_dir, resume=resume, fresh=fresh)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     if base_done is None:
@@ -209,14 +232,12 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
 
     def evaluate(stage: str, checkpoint: Path, steps: int) -> None:
         # Between-stage evals are decode work: each generation batch is an `eval` phase with its cost.
+        if not plan:
+            return
         model = load_model(checkpoint, device=device)
         where = str(checkpoint.relative_to(run_dir))
-        stage_records = arithmetic_evals(model, tokenizer, world, recipe.eval, stage=stage, checkpoint=where,
-                                         phase=lambda: telemetry.phase("eval", stage=stage, step=steps))
-        if recipe.eval.pass_k_samples:
-            stage_records += pass_at_k_evals(model, tokenizer, world, recipe.eval, stage=stage, checkpoint=where,
-                                             samples=recipe.eval.pass_k_samples, ks=(1, recipe.eval.pass_k_samples),
-                                             temperature=recipe.eval.pass_k_temperature)
+        stage_records = run_evals(plan, model, tokenizer, stage=stage, checkpoint=where,
+                                  phase=lambda: telemetry.phase("eval", stage=stage, step=steps))
         with evals_path.open("a") as f:
             for r in as_json(stage_records):
                 f.write(json.dumps(r) + "\n")
@@ -224,10 +245,10 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
     try:
         # A loaded model is evaluated before the first stage: the "before" of every gain the run reports
         # (a model built from scratch is random and is not).
-        if recipe.model.init not in PRESETS and not any(r.stage == BASE for r in read_evals(evals_path)):
+        if plan and recipe.model.init not in PRESETS and not any(r.stage == BASE for r in read_evals(evals_path)):
             evaluate(BASE, start, 0)
         for index, stage in enumerate(recipe.stages):
-            ctx = RunContext(run_dir=run_dir, recipe=recipe, device=device, tokenizer=tokenizer, world=world,
+            ctx = RunContext(run_dir=run_dir, recipe=recipe, device=device, tokenizer=tokenizer, tasks=tasks,
                              telemetry=telemetry, sink=sink, start=start, console=console, t0=t0)
             done = final_checkpoint(ctx.stage_dir(stage.folder))
             if done is not None:
@@ -244,6 +265,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
     finally:
         sink.close()
         telemetry.close()
+        tasks.close()
     return read_evals(evals_path)
 
 

@@ -23,7 +23,7 @@ class Strict(BaseModel):
 
 
 class ModelConfig(Strict):
-    init: str = Field("tiny-1m", description="a tiny preset to build from scratch (tiny-1m, tiny-4m, tiny-30m) or a path to a local HF model folder")
+    init: str = Field("tiny-1m", description="a tiny preset to build from scratch (tiny-1m, tiny-4m, tiny-30m), a named built-in checkpoint (smollm2-135m-instruct: SmolLM2-135M-Instruct, offline), or a path to a local HF model folder")
     arch: Literal["llama", "qwen2"] = Field("llama", description="architecture of a preset built from scratch")
     max_seq_len: int = Field(160, gt=8, description="context length of a model built from scratch")
     vocab_size: int = Field(512, ge=300, description="target vocabulary of the tokenizer trained for a model built from scratch")
@@ -31,20 +31,44 @@ class ModelConfig(Strict):
 
 
 class DataSource(Strict):
-    """Where a stage's examples come from: the built-in world, or a JSONL file in our schemas."""
+    """Where a stage's examples come from: a task (`{task: arithmetic, n: 2000}`) or a JSONL file in our
+    schemas (`{path: file.jsonl}`, docs/data.md). `world: arithmetic` is kept as an alias of `task`."""
 
-    world: Literal["arithmetic"] | None = Field(None, description="built-in world that generates the split")
+    task: str | None = Field(None, description="a built-in task that supplies the split (arithmetic, code; docs/tasks.md)")
     path: Path | None = Field(None, description="a JSONL file in the documented schema of the stage")
-    n: int | None = Field(None, gt=0, description="examples to draw from the world (required with `world`)")
+    n: int | None = Field(None, gt=0, description="examples to draw from the task (required with `task`)")
     weight: float = Field(1.0, gt=0, description="share of this source in the mix")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _world_alias(cls, raw: Any) -> Any:
+        # `world: arithmetic` (recipes written before the Task layer) reads as `task: arithmetic`
+        if isinstance(raw, dict) and "world" in raw:
+            if raw.get("task") is not None:
+                raise ValueError("give `task` or its alias `world`, not both")
+            raw = {**{k: v for k, v in raw.items() if k != "world"}, "task": raw["world"]}
+        return raw
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSource:
-        if (self.world is None) == (self.path is None):
-            raise ValueError("give exactly one of `world` or `path`")
-        if self.world is not None and self.n is None:
-            raise ValueError("`n` (how many examples to generate) is required with `world`")
+        if (self.task is None) == (self.path is None):
+            raise ValueError("give exactly one of `task` or `path`")
+        if self.task is not None and self.n is None:
+            raise ValueError("`n` (how many examples to draw) is required with `task`")
+        _check_task(self.task)
         return self
+
+
+def _check_task(name: str | None) -> None:
+    from posttrain.tasks.registry import BUILTIN
+
+    if name is not None and name not in BUILTIN:
+        raise ValueError(f"unknown task {name!r}; expected one of {list(BUILTIN)} (a user's file: give `path`)")
+
+
+def task_names(sources: list[DataSource]) -> list[str]:
+    """The tasks a stage's data sources name, in order, once each."""
+    return list(dict.fromkeys(s.task for s in sources if s.task is not None))
 
 
 class OptimConfig(Strict):
@@ -84,15 +108,16 @@ class TrainStage(Strict):
 class PretrainStage(TrainStage):
     stage: Literal["pretrain"] = "pretrain"
     seq_len: int = Field(128, gt=8, description="packed tokens per row")
-    documents: int = Field(50_000, gt=0, description="world documents in the pretraining stream")
+    documents: int = Field(50_000, gt=0, description="documents in the pretraining stream")
+    task: Literal["arithmetic"] = Field("arithmetic", description="the task whose document stream is pretrained on (only `arithmetic` has one)")
 
 
 class SFTStage(TrainStage):
     stage: Literal["sft"] = "sft"
-    data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=20_000)])
+    data: list[DataSource] = Field(min_length=1, description="demonstrations: tasks and/or JSONL files in the `sft` schema")
     max_len: int = Field(128, gt=8, description="longest example in tokens")
     truncation: Literal["error", "drop"] = Field("error", description="an over-long example: stop with an error, or drop it and count it")
-    heldout: int = Field(256, ge=0, description="world examples held out for eval loss")
+    heldout: int = Field(256, ge=0, description="examples of the first data task held out for eval loss (0, or no task among the sources: none)")
 
 
 class RewardSpec(Strict):
@@ -105,8 +130,8 @@ class RewardSpec(Strict):
 
 class GRPOStage(TrainStage):
     stage: Literal["grpo"] = "grpo"
-    data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=20_000)], description="problems (world, or JSONL in the `problem` schema)")
-    levels: list[str] | None = Field(None, description="world levels to draw problems from (None: the world's level mix)")
+    data: list[DataSource] = Field(min_length=1, description="problems (a task, or JSONL in the `problem` schema)")
+    levels: list[str] | None = Field(None, description="levels of the data task to draw problems from (None: the task's level mix)")
     loss: Literal["grpo", "dapo", "dr_grpo"] = Field("grpo", description="advantage normalization, token aggregation and clip range (docs/rlvr.md)")
     batch_size: int = Field(128, gt=0, description="sequences per optimizer step (prompts × group_size)")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=3, min_lr_ratio=1.0), description="RL needs a far lower lr than SFT (docs/rlvr.md: 3e-4 already forgets, 1e-3 collapses)")
@@ -141,8 +166,8 @@ class GRPOStage(TrainStage):
 class RejectionSamplingStage(Strict):
     stage: Literal["rejection_sampling"] = "rejection_sampling"
     name: str | None = Field(None, description="checkpoint folder name; defaults to the stage kind")
-    data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=2_000)], description="problems (world, or JSONL in the `problem` schema)")
-    levels: list[str] | None = Field(None, description="world levels to draw problems from (None: the world's level mix)")
+    data: list[DataSource] = Field(min_length=1, description="problems (a task, or JSONL in the `problem` schema)")
+    levels: list[str] | None = Field(None, description="levels of the data task to draw problems from (None: the task's level mix)")
     samples: int = Field(8, gt=0, description="samples per prompt (N)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass (1 = off)")
@@ -177,12 +202,12 @@ class RewardModelStage(TrainStage):
     """Bradley–Terry reward model on the start policy's backbone (docs/preference.md)."""
 
     stage: Literal["reward_model"] = "reward_model"
-    data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=4_000)], description="preference pairs (world, or JSONL in the `preference` schema)")
-    rankings: list[DataSource] = Field(default_factory=list, description="rankings of K ≥ 2 responses, best first (world: K=3 gold-ordered; JSONL `ranking` schema), expanded to C(K,2) pairs")
+    data: list[DataSource] = Field(default_factory=list, description="preference pairs (a task, or JSONL in the `preference` schema)")
+    rankings: list[DataSource] = Field(default_factory=list, description="rankings of K ≥ 2 responses, best first (arithmetic task: K=3 gold-ordered; JSONL `ranking` schema), expanded to C(K,2) pairs")
     batch_size: int = Field(32, gt=0, description="pairs or rankings per optimizer step (a ranking counts once)")
     max_len: int = Field(128, gt=8, description="longest prompt + response in tokens")
     truncation: Literal["error", "left"] = Field("error", description="an over-long record: stop with an error, or drop prompt tokens from the left")
-    heldout: int = Field(512, ge=0, description="world pairs held out for pair accuracy (reported per kind: style / correctness)")
+    heldout: int = Field(512, ge=0, description="pairs of the first data task held out for pair accuracy (per kind where the task says: style / correctness; no task among the sources: none)")
     norm_samples: int = Field(256, gt=1, description="start-policy samples scored to normalize the reward (mean 0, std 1) and to measure agreement with the gold judge")
     samples_per_prompt: int = Field(4, ge=2, description="start-policy samples per prompt in the gold-agreement check")
     max_new_tokens: int = Field(48, gt=0, description="answer budget of those samples")
@@ -199,13 +224,13 @@ class DPOStage(TrainStage):
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO only: target reward margin γ")
     kto_desirable_weight: float = Field(1.0, gt=0, description="KTO only: λ_D")
     kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO only: λ_U")
-    data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=4_000)], description="pairs (JSONL `preference` schema); KTO: `unpaired` schema (world pairs are split into a good and a bad example)")
+    data: list[DataSource] = Field(min_length=1, description="pairs (a task, or JSONL `preference` schema); KTO: `unpaired` schema (a task's pairs are split into a good and a bad example)")
     batch_size: int = Field(16, gt=0, description="pairs (KTO: examples) per optimizer step")
     max_len: int = Field(128, gt=8, description="longest prompt + response in tokens")
     truncation: Literal["error", "left"] = Field("error", description="an over-long record: stop with an error, or drop prompt tokens from the left")
     reference: Literal["cached", "recompute"] = Field("cached", description="reference log-probs: computed once before training, or by a reference forward every step (same loss; for checking)")
     reference_batch: int = Field(64, gt=0, description="sequences per forward when caching reference log-probs")
-    eval_per_level: int = Field(50, ge=0, description="held-out problems per level for the gold head-to-head against the start policy (0 = off)")
+    eval_per_level: int = Field(50, ge=0, description="held-out problems per level for the gold head-to-head against the start policy (0 = off; needs a data task with a gold judge)")
     eval_samples: int = Field(2, gt=0, description="sampled responses per problem and model in that head-to-head")
     eval_temperature: float = Field(1.0, ge=0, description="sampling temperature of the head-to-head (0 = greedy)")
     max_new_tokens: int = Field(48, gt=0, description="answer budget in the head-to-head")
@@ -217,8 +242,8 @@ class PPOStage(TrainStage):
     stage: Literal["ppo"] = "ppo"
     reward_model: str = Field("reward_model", description="the reward_model stage's folder in this run, or a path to a reward-model checkpoint")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-5, warmup_steps=5, min_lr_ratio=1.0), description="the policy's AdamW (the schedule counts iterations); larger lr games the reward model sooner")
-    data: list[DataSource] = Field(default_factory=lambda: [DataSource(world="arithmetic", n=20_000)], description="prompts (world problems, or JSONL in the `problem` schema)")
-    levels: list[str] | None = Field(None, description="world levels to draw prompts from (None: the world's level mix)")
+    data: list[DataSource] = Field(min_length=1, description="prompts (a task's problems, or JSONL in the `problem` schema)")
+    levels: list[str] | None = Field(None, description="levels of the data task to draw prompts from (None: the task's level mix)")
     batch_size: int = Field(64, gt=0, description="rollouts (one per prompt) per PPO iteration; `steps` counts iterations")
     minibatch_size: int = Field(16, gt=0, description="rollouts per gradient step inside an iteration")
     ppo_epochs: int = Field(4, gt=0, description="passes over each iteration's rollouts")
@@ -235,7 +260,7 @@ class PPOStage(TrainStage):
     critic_lr: float = Field(1e-3, gt=0, description="peak learning rate of the critic (value model), same schedule as the policy")
     whiten_advantages: bool = Field(True, description="normalize advantages over each iteration's tokens")
     missing_eos_score: float | None = Field(-1.0, description="normalized score given to a rollout cut by max_new_tokens (None: keep the RM score)")
-    eval_per_level: int = Field(50, ge=0, description="held-out problems per level for the gold comparison with the start policy (0 = off)")
+    eval_per_level: int = Field(50, ge=0, description="held-out problems per level for the gold comparison with the start policy (0 = off; needs a data task with a gold judge)")
     eval_samples: int = Field(2, gt=0, description="sampled responses per problem and model in that comparison")
     eval_temperature: float = Field(1.0, ge=0, description="sampling temperature of that comparison (0 = greedy)")
 
@@ -248,13 +273,50 @@ class PPOStage(TrainStage):
 Stage = Annotated[PretrainStage | SFTStage | GRPOStage | RejectionSamplingStage | RewardModelStage | DPOStage | PPOStage, Field(discriminator="stage")]
 
 
-class EvalConfig(Strict):
-    per_level: int = Field(200, gt=0, description="held-out problems per level (fewer where a level has fewer)")
-    levels: list[str] = Field(default_factory=lambda: ["L1", "L2", "L3", "L4"], description="world levels to evaluate")
-    max_new_tokens: int = Field(48, gt=0, description="greedy answer budget")
-    batch_size: int = Field(128, gt=0, description="prompts per generation batch")
-    pass_k_samples: int = Field(0, ge=0, description="samples per problem for pass@1/pass@k at pass_k_temperature after each stage (0 = off; costs per_level × levels × samples generations)")
-    pass_k_temperature: float = Field(1.0, gt=0, description="sampling temperature of the pass@k eval")
+class EvalSpec(Strict):
+    """One held-out eval run after every stage: a built-in task (`{task: arithmetic, levels: [L1, L2]}`,
+    `{task: humaneval, k: [1, 10]}`) or a `problem` JSONL file judged by a verifier
+    (`{path: my_eval.jsonl, verifier: math}`). docs/tasks.md lists what each task reports."""
+
+    task: str | None = Field(None, description="a built-in task: arithmetic, code, humaneval")
+    path: Path | None = Field(None, description="a JSONL file in the `problem` schema (the `jsonl` task)")
+    verifier: str | None = Field(None, description="the posttrain.rewards verifier that judges a reply to `path` (math, code, …)")
+    params: dict[str, Any] = Field(default_factory=dict, description="that verifier's parameters")
+    name: str | None = Field(None, description="eval name in evals.jsonl (default: the task's name, or the file's stem)")
+    levels: list[str] | None = Field(None, description="levels to evaluate (None: every level the task has)")
+    per_level: int | None = Field(None, gt=0, description="held-out problems per level, or in all for a task without levels (None: all; arithmetic: 200)")
+    greedy: bool = Field(True, description="greedy pass@1 (arithmetic: format and exact match) per level")
+    k: list[int] = Field(default_factory=list, description="sampled pass@k for these k (empty: none; humaneval: [1])")
+    samples: int | None = Field(None, gt=0, description="samples per problem for pass@k (None: max(k))")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the pass@k samples")
+    max_new_tokens: int = Field(48, gt=0, description="answer budget")
+    batch_size: int = Field(128, gt=0, description="prompts (greedy) or sequences (sampled) per generation batch")
+    probe: bool = Field(True, description="arithmetic only: the prose probe of held-out single-digit facts")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalSpec:
+        if (self.task is None) == (self.path is None):
+            raise ValueError("give exactly one of `task` or `path`")
+        _check_task(self.task)
+        if self.path is not None and self.verifier is None:
+            raise ValueError("`verifier` (e.g. math) is required with `path`: it judges each reply")
+        if self.verifier is not None:
+            from posttrain.rewards.combine import VerifierName
+
+            known = [v.value for v in VerifierName]
+            if self.verifier not in known:
+                raise ValueError(f"unknown verifier {self.verifier!r}; expected one of {known}")
+            if self.task is not None:
+                raise ValueError("`verifier` goes with `path`; a built-in task judges replies its own way")
+        if self.samples is not None and self.k and max(self.k) > self.samples:
+            raise ValueError(f"every k must be ≤ samples={self.samples}, got k={self.k}")
+        if any(k < 1 for k in self.k):
+            raise ValueError(f"every k must be ≥ 1, got {self.k}")
+        return self
+
+    @property
+    def per_level_or_default(self) -> int | None:
+        return self.per_level if self.per_level is not None or self.task != "arithmetic" else 200
 
 
 class TelemetryConfig(Strict):
@@ -266,15 +328,37 @@ class TelemetryConfig(Strict):
 
 class Recipe(Strict):
     name: str = Field("run", description="run folder name under runs/")
-    seed: int = Field(0, description="seeds the world, the model init, and every RNG")
+    seed: int = Field(0, description="seeds the model init and every RNG")
     device: str = Field("cpu", description="torch device")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="training precision (bf16 = autocast, fp32 master weights)")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's)")
-    world_seed: int = Field(0, description="seed of the arithmetic world's splits")
+    world_seed: int = Field(0, description="seed of the arithmetic task's world (its splits and held-out problems)")
     model: ModelConfig = Field(default_factory=ModelConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
+    evals: list[EvalSpec] = Field(default_factory=list, description="held-out evals after every stage (and of a loaded start): exactly these, none by default")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     stages: list[Stage] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_eval_key(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "eval" in raw:
+            raise ValueError("`eval` is now `evals`, a list naming each eval, e.g. "
+                             "`evals: [{task: arithmetic, levels: [L1, L2, L3, L4], per_level: 200}]` (docs/tasks.md)")
+        return raw
+
+    def task_names(self) -> list[str]:
+        """Every task the recipe names (data sources, a pretrain stream, evals), in order, once each."""
+        names: list[str] = []
+        for s in self.stages:
+            if isinstance(s, PretrainStage):
+                names.append(s.task)
+            names += task_names(list(getattr(s, "data", [])) + list(getattr(s, "rankings", [])))
+        names += [e.task for e in self.evals if e.task is not None]
+        return list(dict.fromkeys(names))
+
+    def arithmetic_eval_per_level(self) -> int:
+        """Held-out problems per level the arithmetic world must keep back (the largest eval's)."""
+        return max([e.per_level_or_default or 0 for e in self.evals if e.task == "arithmetic"] + [0])
 
     @model_validator(mode="after")
     def _unique_folders(self) -> Recipe:

@@ -1,5 +1,5 @@
 """What every stage shares and none should build for itself: the run's directory, device, tokenizer,
-world, telemetry, metric sink, and the checkpoint the stage starts from."""
+the recipe's tasks (built on first use), telemetry, metric sink, and the checkpoint the stage starts from."""
 
 from __future__ import annotations
 
@@ -16,12 +16,40 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.models import load_model
-from posttrain.runtime.config import Recipe
+from posttrain.runtime.config import EvalSpec, Recipe
 from posttrain.rollout import RolloutEngine, make_engine
 from posttrain.rollout.cpu import fused_unsupported_reason
 from posttrain.telemetry import MetricSink, Telemetry
 from posttrain.telemetry.costs import Cost
-from posttrain.worlds.arithmetic import ArithmeticWorld
+from posttrain.tasks import EvalRequest, Task, TaskSet, build_task
+from posttrain.tasks.verified import JsonlTask
+
+
+def make_tasks(recipe: Recipe, world: Any = None) -> TaskSet:
+    """The recipe's tasks by name, none built yet. `world`: an ArithmeticWorld to use for `arithmetic`
+    (e.g. one whose `drawn` set a caller reads afterwards); it is used only if the recipe names it."""
+    factories = {n: (lambda n=n: build_task(n, world_seed=recipe.world_seed, world=world,
+                                            arithmetic_eval_per_level=recipe.arithmetic_eval_per_level()))
+                 for n in recipe.task_names()}
+    for e in recipe.evals:
+        if e.path is not None:
+            factories[eval_key(e)] = lambda e=e: JsonlTask(e.path, e.verifier or "", name=e.name, params=e.params)
+    return TaskSet(factories)
+
+
+def eval_key(spec: EvalSpec) -> str:
+    return spec.task if spec.task is not None else f"path:{spec.path}"
+
+
+def eval_request(spec: EvalSpec, *, seed: int = 0) -> EvalRequest:
+    return EvalRequest(levels=tuple(spec.levels) if spec.levels is not None else None, per_level=spec.per_level_or_default,
+                       greedy=spec.greedy, k=tuple(spec.k), samples=spec.samples, temperature=spec.temperature,
+                       max_new_tokens=spec.max_new_tokens, batch_size=spec.batch_size, probe=spec.probe, seed=seed)
+
+
+def eval_plan(recipe: Recipe, tasks: TaskSet) -> list[tuple[EvalSpec, Task, EvalRequest]]:
+    """The recipe's evals, in order: each with its task and what to measure."""
+    return [(e, tasks.get(eval_key(e)), eval_request(e)) for e in recipe.evals]
 
 
 class StageResult(NamedTuple):
@@ -35,7 +63,7 @@ class RunContext:
     recipe: Recipe
     device: torch.device
     tokenizer: PreTrainedTokenizerBase
-    world: ArithmeticWorld
+    tasks: TaskSet  # the tasks the recipe names, each built on first use (docs/tasks.md)
     telemetry: Telemetry
     sink: MetricSink
     start: Path  # the checkpoint this stage starts from (the previous stage's final)

@@ -1,18 +1,13 @@
 """Preference data for the reward-model and DPO-family stages: read, count what was skipped, encode.
 
-Sources are the recipe's `DataSource`s: the arithmetic world (pairs ranked by its gold judge) or a
-JSONL file validated by `posttrain.data` (identical chosen/rejected and rankings with duplicate
+Sources are the recipe's `DataSource`s: a task (the arithmetic task's pairs are ranked by its gold
+judge; posttrain/tasks/) or a JSONL file validated by `posttrain.data` (identical chosen/rejected and rankings with duplicate
 responses are skipped and counted there; empty responses and one-response rankings are errors). Every
 skip is reported by the stage (printed, and as `data/skipped` in its summary metrics) — never silent.
-
-World rankings (`world_rankings`): the world ships pairs only, so rankings of K = 3 responses are
-built from its parts — a concise correct answer (gold 1.0) ≻ the same answer after a ramble (gold
-0.5–0.8) ≻ a wrong answer (gold 0) — a strict order under the gold judge, as `Ranking` requires.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,18 +20,12 @@ from posttrain.data import (
     UnpairedExample,
     encode_completion,
     mix,
-    parse_record,
     read_jsonl,
 )
 from posttrain.data.records import Record
 from posttrain.runtime.config import DataSource
-from posttrain.worlds.arithmetic import (
-    ArithmeticWorld,
-    concise_answer,
-    question,
-    ramble,
-    wrong_answer,
-)
+from posttrain.tasks import TaskSet
+from posttrain.tasks.arithmetic import world_rankings  # noqa: F401  (re-exported: where tests and users found it)
 
 
 @dataclass
@@ -52,33 +41,7 @@ class Loaded:
         return sum(self.skipped.values())
 
 
-def world_rankings(world: ArithmeticWorld, n: int, *, seed_offset: int = 0) -> list[dict]:
-    """`n` ranking rows {prompt, responses (best first), level, answer} ordered by the gold judge."""
-    rng = random.Random(f"{world.seed}-ranking-{seed_offset}")
-    rows = []
-    for _ in range(n):
-        f = world.train_fact(rng)
-        rows.append({"prompt": question(f, rng), "responses": [concise_answer(f), ramble(f, rng), wrong_answer(f, rng)],
-                     "level": f.level, "answer": str(f.value)})
-    return rows
-
-
-def _world_rows(world: ArithmeticWorld, kind: str, n: int, seed_offset: int) -> list[dict]:
-    if kind == "preference":
-        return world.preference_split(n, seed_offset=seed_offset)
-    if kind == "ranking":
-        return world_rankings(world, n, seed_offset=seed_offset)
-    if kind == "unpaired":  # each world pair gives a desirable and an undesirable example
-        rows = []
-        for p in world.preference_split((n + 1) // 2, seed_offset=seed_offset):
-            meta = {k: v for k, v in p.items() if k not in ("prompt", "chosen", "rejected")}
-            rows += [{"prompt": p["prompt"], "completion": p["chosen"], "label": True, **meta},
-                     {"prompt": p["prompt"], "completion": p["rejected"], "label": False, **meta}]
-        return rows[:n]
-    raise ValueError(f"the arithmetic world has no {kind!r} split; expected preference, ranking or unpaired")
-
-
-def load_records(world: ArithmeticWorld, sources: list[DataSource], kind: str, *, seed: int,
+def load_records(tasks: TaskSet, sources: list[DataSource], kind: str, *, seed: int,
                  seed_offset: int = 0) -> Loaded:
     """Every source read whole (files validated row by row), then mixed by weight."""
     pools: list[tuple[list[Record], float]] = []
@@ -91,9 +54,9 @@ def load_records(world: ArithmeticWorld, sources: list[DataSource], kind: str, *
             out.summaries.append(result.report.summary())
             pools.append((result.records, src.weight))
         else:
-            rows = _world_rows(world, kind, src.n, seed_offset)
-            pools.append(([parse_record(r, kind, where=f"world[{i}]") for i, r in enumerate(rows)], src.weight))
-            out.summaries.append(f"world: {len(rows)} {kind} records")
+            records = tasks.get(src.task).records(kind, src.n, seed_offset=seed_offset)
+            pools.append((records, src.weight))
+            out.summaries.append(f"task {src.task}: {len(records)} {kind} records")
     total = sum(len(p) for p, _ in pools)
     out.records = pools[0][0] if len(pools) == 1 else mix(pools, total, seed=seed)
     return out

@@ -27,7 +27,7 @@ from posttrain.rewards import (
     combine,
 )
 from posttrain.rollout import Rollout
-from posttrain.worlds.arithmetic import LEVELS, gold_reward
+from posttrain.worlds.arithmetic import gold_reward
 
 _INTEGER = re.compile(r"-?\d+")
 
@@ -35,19 +35,14 @@ _INTEGER = re.compile(r"-?\d+")
 # ---- problems ------------------------------------------------------------------------------------
 def load_problems(ctx: RunContext, sources: Sequence[DataSource], *, levels: list[str] | None,
                   seed_offset: int = 0) -> list[Problem]:
-    """Every source's problems, in order: world problems (never an eval problem) or a `problem` JSONL."""
-    if levels is not None:
-        unknown = [lv for lv in levels if lv not in LEVELS]
-        if unknown:
-            raise ValueError(f"levels: unknown world level(s) {unknown}; expected some of {list(LEVELS)}")
+    """Every source's problems, in order: a task's (never one of its eval problems; `levels` picks the
+    task's levels) or a `problem` JSONL (read whole; `levels` does not filter a file)."""
     out: list[Problem] = []
     for i, src in enumerate(sources):
         if src.path is not None:
             out += read_jsonl(src.path, "problem").records
             continue
-        rows = ctx.world.problems(src.n, levels=levels, seed_offset=seed_offset + i)
-        out += [Problem(prompt=r["prompt"], answer=r["answer"], level=r["level"],
-                        meta={k: r[k] for k in ("a", "op", "b")}, origin=f"world[{j}]") for j, r in enumerate(rows)]
+        out += ctx.tasks.get(src.task).records("problem", src.n, seed_offset=seed_offset + i, levels=levels)  # type: ignore[arg-type]
     if not out:
         raise ValueError("no problems: the stage's `data` sources are empty")
     return out

@@ -54,10 +54,11 @@ from posttrain.losses import (
 )
 from posttrain.runtime.config import DPOStage
 from posttrain.runtime.context import RunContext, StageResult
-from posttrain.stages._gold_eval import compare_to_reference, heldout_problems
+from posttrain.stages._gold_eval import compare_to_reference, gold_task
 from posttrain.stages._packing import pair_logps, sequence_logps
 from posttrain.stages._preference_data import kto_partners, load_records
 from posttrain.stages._training import optimizer_step, save, start_or_resume
+from posttrain.tasks import Task
 from posttrain.telemetry import costs
 
 
@@ -100,7 +101,7 @@ METRIC_NAMES = {"chosen_rewards": "rewards/chosen", "rejected_rewards": "rewards
 def load_items(ctx: RunContext, cfg: DPOStage) -> tuple[list[Item], dict[str, int]]:
     """The stage's items and the readers' skip counts (reason → rows)."""
     paired = PREFERENCE_METHODS[PreferenceLoss(cfg.loss)].paired
-    loaded = load_records(ctx.world, cfg.data, "preference" if paired else "unpaired", seed=ctx.recipe.seed)
+    loaded = load_records(ctx.tasks, cfg.data, "preference" if paired else "unpaired", seed=ctx.recipe.seed)
     for line in loaded.summaries:
         ctx.console.print(f"{cfg.folder}: {line}")
     tok = ctx.tokenizer
@@ -151,6 +152,7 @@ def run_dpo(cfg: DPOStage, ctx: RunContext) -> StageResult:
     objective = OBJECTIVES[PreferenceLoss(cfg.loss)]
     items, skipped = load_items(ctx, cfg)
     n_skipped = float(sum(skipped.values()))
+    gold = gold_task(ctx, cfg.folder, cfg.data, "gold win rate vs the start policy", heldout=True) if cfg.eval_per_level else None
     t = start_or_resume(ctx, cfg)
     sampler = EpochSampler(len(items), cfg.batch_size, seed=ctx.recipe.seed)
     if t.data_state is not None:
@@ -201,8 +203,8 @@ def run_dpo(cfg: DPOStage, ctx: RunContext) -> StageResult:
             metrics = {f"loss/{cfg.loss}": total, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0],
                        "train/pairs_per_s": len(batch) / (time.perf_counter() - t0)}
             metrics.update({METRIC_NAMES.get(k, f"train/{k}"): sum(p[k] for p in parts) / len(parts) for k in parts[0]})
-            if step == cfg.steps and cfg.eval_per_level:
-                metrics.update(gold_head_to_head(ctx, cfg, t.model, step))
+            if step == cfg.steps and gold is not None:
+                metrics.update(gold_head_to_head(ctx, cfg, gold, t.model, step))
             if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
                 ctx.log(cfg.folder, step, {**metrics, "data/skipped": n_skipped})
             bar.update(task, completed=step, info=f"loss {total:.3f}  margin {metrics['rewards/margin']:.2f}")
@@ -215,11 +217,11 @@ def run_dpo(cfg: DPOStage, ctx: RunContext) -> StageResult:
     return StageResult(final, {**summary, "data/skipped": n_skipped})
 
 
-def gold_head_to_head(ctx: RunContext, cfg: DPOStage, model, step: int) -> dict[str, float]:
-    """The policy against the start policy on held-out problems, judged by the gold reward."""
+def gold_head_to_head(ctx: RunContext, cfg: DPOStage, gold: Task, model, step: int) -> dict[str, float]:
+    """The policy against the start policy on held-out problems, judged by the task's gold reward."""
     with ctx.phase("eval", stage=cfg.folder, step=step):
         reference = ctx.load_model(ctx.start)
-        h2h = compare_to_reference(model, reference, ctx.tokenizer, heldout_problems(ctx.world, cfg.eval_per_level),
+        h2h = compare_to_reference(model, reference, ctx.tokenizer, gold.heldout_problems(cfg.eval_per_level), gold,
                                    temperature=cfg.eval_temperature, samples=cfg.eval_samples,
                                    max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed + 7)
     return h2h.metrics("eval/h2h")

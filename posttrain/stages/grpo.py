@@ -34,6 +34,7 @@ Departures (numbered):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -57,8 +58,7 @@ from posttrain.losses import (
 )
 from posttrain.losses._enum import StrEnum
 from posttrain.runtime.config import GRPOStage
-from posttrain.runtime.context import RunContext, StageResult
-from posttrain.rollout.greedy import greedy
+from posttrain.runtime.context import RunContext, StageResult, eval_plan
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams
 from posttrain.rollout.text import positions_from_mask
@@ -74,7 +74,6 @@ from posttrain.stages._rlvr import (
 from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
 from posttrain.stages._training import Trainer, optimizer_step, save, start_or_resume
 from posttrain.telemetry import costs
-from posttrain.worlds.arithmetic import parse_answer
 
 
 # ---- the loss variants ---------------------------------------------------------------------------
@@ -270,16 +269,16 @@ def reference_logprobs(ref_model: torch.nn.Module, b: GroupBatch, micro: int, *,
     return torch.cat(out)
 
 
-def greedy_exact_match(ctx: RunContext, model: torch.nn.Module, levels: list[str], n: int) -> dict[str, float]:
-    """In-stage eval: greedy exact match on the first `n` held-out problems of each level."""
-    out = {}
-    for level in levels:
-        problems = ctx.world.eval_problems(level)[:n]
-        ids = encode_problems([Problem(prompt=p["prompt"]) for p in problems], ctx.tokenizer, 10_000)
-        texts, reasons = greedy(model, ctx.tokenizer, ids, ctx.recipe.eval.max_new_tokens, ctx.recipe.eval.batch_size)
-        hits = sum(r == "stop" and parse_answer(x) == int(p["answer"]) for x, r, p in zip(texts, reasons, problems))
-        out[f"eval/exact_match/{level}"] = hits / len(problems)
-    return out
+def greedy_eval(ctx: RunContext, model: torch.nn.Module, n: int) -> dict[str, float]:
+    """In-stage eval: the recipe's first eval, greedy only, on the first `n` held-out problems of each
+    level (`eval/<metric>/<level>`, e.g. eval/exact_match/L2); nothing when the recipe names no eval."""
+    plan = eval_plan(ctx.recipe, ctx.tasks)
+    if not plan:
+        return {}
+    spec, task, request = plan[0]
+    request = dataclasses.replace(request, per_level=min(n, request.per_level or n), k=(), probe=False, greedy=True)
+    records = task.evaluate(model, ctx.tokenizer, request, stage="", checkpoint="")
+    return {f"eval/{r.metric}/{r.level or 'all'}": r.value for r in records}
 
 
 # ---- the stage -----------------------------------------------------------------------------------
@@ -344,7 +343,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                 metrics["train/seconds_per_rollout"] = time.perf_counter() - t0
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     with ctx.phase("eval", stage=stage, step=step):
-                        metrics.update(greedy_exact_match(ctx, t.model, ctx.recipe.eval.levels, cfg.eval_problems))
+                        metrics.update(greedy_eval(ctx, t.model, cfg.eval_problems))
                 if (step // cfg.mu) % cfg.log_every == 0 or step == cfg.steps or any(k.startswith("eval/") for k in metrics):
                     ctx.log(stage, step, metrics)
                 bar.update(task, completed=t.step, info=f"reward {metrics.get('reward/total', float('nan')):.3f}  "

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from posttrain.data import EpochSampler, encode_prompt, read_jsonl
+from posttrain.data.records import Problem
 from posttrain.losses import (
     AdaptiveKLController,
     FixedKLController,
@@ -56,12 +57,7 @@ from posttrain.models.heads import (
 from posttrain.runtime.config import PPOStage
 from posttrain.runtime.context import RunContext, StageResult
 from posttrain.rollout import Rollout, SamplingParams
-from posttrain.stages._gold_eval import (
-    compare_to_reference,
-    fact_of,
-    gold_rewards,
-    heldout_problems,
-)
+from posttrain.stages._gold_eval import compare_to_reference, gold_task
 from posttrain.stages._learned_reward import (
     RewardModelScorer,
     resolve_policy,
@@ -74,17 +70,19 @@ from posttrain.stages._training import (
     start_or_resume,
     warmup_cosine,
 )
+from posttrain.tasks import Capability, Task
 from posttrain.telemetry import costs
 
 
-def load_prompts(ctx: RunContext, cfg: PPOStage) -> list[dict]:
-    """Prompt rows ({"prompt", …}); world rows carry a, op, b for the gold judge."""
-    rows: list[dict] = []
+def load_prompts(ctx: RunContext, cfg: PPOStage) -> list[Problem]:
+    """Prompts as problems: a `problem` file's rows, or a task's (the arithmetic task's carry a, op, b
+    for its gold judge)."""
+    rows: list[Problem] = []
     for src in cfg.data:
         if src.path is not None:
-            rows += [{"prompt": r.prompt, **r.meta} for r in read_jsonl(src.path, "problem").records]
+            rows += read_jsonl(src.path, "problem").records  # type: ignore[arg-type]
         else:
-            rows += ctx.world.problems(src.n, levels=cfg.levels, seed_offset=3)
+            rows += ctx.tasks.get(src.task).records("problem", src.n, seed_offset=3, levels=cfg.levels)  # type: ignore[arg-type]
     return rows
 
 
@@ -123,7 +121,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
     norm = scorer.norm
     ctx = dataclasses.replace(ctx, start=resolve_policy(ctx, norm))
     problems = load_prompts(ctx, cfg)
-    prompt_ids = [encode_prompt(p["prompt"], tok, cfg.max_prompt_len, origin=p.get("origin", "")) for p in problems]
+    prompt_ids = [encode_prompt(p, tok, cfg.max_prompt_len) for p in problems]
+    gold = gold_task(ctx, cfg.folder, cfg.data, "gold/reward beside rm/score and the gold comparison")
     t = start_or_resume(ctx, cfg)
     reference = ctx.load_model(ctx.start).eval().requires_grad_(False)
     critic = load_scalar_model(rm_path, device=ctx.device).train()
@@ -169,7 +168,7 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                            cost=costs.forward(scorer.model.config, batch=len(r), seq_len=seq_len, logits="scalar")), torch.no_grad():
                 rm_score = scorer(r)  # (R,)
                 score = rm_score if cfg.missing_eos_score is None else torch.where(truncated, cfg.missing_eos_score, rm_score)
-                gold = gold_rewards([fact_of(problems[i]) for i in index], r.texts, r.finish_reason)
+                golds = gold.gold_rewards([problems[i] for i in index], r.texts, r.finish_reason) if gold else []
             with ctx.phase("reference", stage=cfg.folder, step=step,
                            cost=costs.forward(reference.config, batch=len(r), seq_len=fwd_len)
                            + costs.forward(critic.config, batch=len(r), seq_len=fwd_len, logits="scalar")), torch.no_grad(), ctx.autocast():
@@ -212,7 +211,7 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                 t.step += 1
                 engine.update_weights(t.model)  # the next rollout samples the updated policy
             kl = kl_stats.as_floats()
-            known = [g for g in gold if g is not None]
+            known = [g for g in golds if g is not None]
             metrics = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
             metrics.update({
                 "rm/score": rm_score.mean().item(), "rm/score_raw": (rm_score * norm.std + norm.mean).mean().item(),
@@ -223,8 +222,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
             if known:
                 metrics.update({"gold/reward": sum(known) / len(known), "gold/correct": sum(g > 0 for g in known) / len(known)})
             kl_ctl.update(kl["kl"], n_steps=len(r))
-            if step == cfg.steps and cfg.eval_per_level:
-                metrics.update(gold_comparison(ctx, cfg, t.model, reference, step))
+            if step == cfg.steps and cfg.eval_per_level and gold is not None and gold.has(Capability.EVALS):
+                metrics.update(gold_comparison(ctx, cfg, gold, t.model, reference, step))
             if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
                 ctx.log(cfg.folder, step, metrics)
             bar.update(task, completed=step, info=f"rm {metrics['rm/score']:+.2f}  gold {metrics.get('gold/reward', float('nan')):.2f}  kl {kl['kl']:.2f}")
@@ -246,10 +245,10 @@ def select(r: Rollout, rows: Tensor) -> Rollout:
                    texts=[r.texts[i] for i in keep])
 
 
-def gold_comparison(ctx: RunContext, cfg: PPOStage, model, reference, step: int) -> dict[str, float]:
-    """The policy against the start policy on held-out problems, judged by the gold reward."""
+def gold_comparison(ctx: RunContext, cfg: PPOStage, gold: Task, model, reference, step: int) -> dict[str, float]:
+    """The policy against the start policy on held-out problems, judged by the task's gold reward."""
     with ctx.phase("eval", stage=cfg.folder, step=step):
-        h2h = compare_to_reference(model, reference, ctx.tokenizer, heldout_problems(ctx.world, cfg.eval_per_level),
+        h2h = compare_to_reference(model, reference, ctx.tokenizer, gold.heldout_problems(cfg.eval_per_level), gold,
                                    temperature=cfg.eval_temperature, samples=cfg.eval_samples,
                                    max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed + 7)
     return h2h.metrics("eval/h2h")

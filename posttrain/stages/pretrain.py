@@ -1,4 +1,4 @@
-"""Pretraining: next-token prediction over the world's packed document stream.
+"""Pretraining: next-token prediction over a task's packed document stream (the arithmetic world's).
 
 Gives the tiny base its knowledge (facts in prose, worked columns) without the behaviour of answering
 a chat question: that is what SFT adds. Batches are a pure function of (seed, step) over a fixed packed
@@ -21,9 +21,9 @@ from posttrain.telemetry import costs
 
 
 def packed_stream(ctx: RunContext, cfg: PretrainStage, *, heldout: bool = False):
-    """(N, seq_len) rows of the world's documents, EOS-separated. Shape: (rows, seq_len)."""
+    """(N, seq_len) rows of the task's documents (`cfg.task`), EOS-separated. Shape: (rows, seq_len)."""
     n = max(64, cfg.documents // 50) if heldout else cfg.documents
-    docs = list(ctx.world.pretrain_documents(n, seed_offset=1 if heldout else 0))
+    docs = list(ctx.tasks.get(cfg.task).pretrain_documents(n, seed_offset=1 if heldout else 0))
     ids = ctx.tokenizer(docs, add_special_tokens=False)["input_ids"]
     return pack_documents(ids, cfg.seq_len, eos_id=ctx.tokenizer.convert_tokens_to_ids(EOS))
 

@@ -44,7 +44,10 @@ from posttrain.runtime.checkpoint import (
 from posttrain.runtime.config import DataSource, RewardModelStage
 from posttrain.runtime.context import RunContext, StageResult
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.stages._gold_eval import fact_of, gold_rewards
+from posttrain.data.records import Problem
+from posttrain.runtime.config import task_names
+from posttrain.stages._gold_eval import gold_task
+from posttrain.tasks import Capability, Task
 from posttrain.stages._preference_data import encode_ranking_like, load_records
 from posttrain.stages._training import Trainer, optimizer_step, save, start_or_resume
 from posttrain.telemetry import costs
@@ -81,13 +84,14 @@ def pair_accuracy(model, items: list[Item], kinds: list[str], pad_id: int, batch
 
 
 @torch.no_grad()
-def normalize_and_agree(ctx: RunContext, cfg: RewardModelStage, model, step: int) -> tuple[RewardNormalization, dict[str, float]]:
-    """Score the start policy's samples: their mean/std normalize the reward; pairs of same-prompt
-    samples the gold judge tells apart measure the RM's agreement with it."""
+def normalize_and_agree(ctx: RunContext, cfg: RewardModelStage, model, step: int, problems: list[Problem],
+                        gold: Task | None) -> tuple[RewardNormalization, dict[str, float]]:
+    """Score the start policy's samples on `problems`: their mean/std normalize the reward; pairs of
+    same-prompt samples the gold judge tells apart measure the RM's agreement with it (no judge: no
+    agreement metric)."""
     tok, k = ctx.tokenizer, cfg.samples_per_prompt
-    problems = ctx.world.problems(max(1, cfg.norm_samples // k), seed_offset=17)
     policy = ctx.load_model(ctx.start)
-    prompts = [encode_prompt(p["prompt"], tok) for p in problems]
+    prompts = [encode_prompt(p.prompt, tok) for p in problems]
     params = SamplingParams(n=k, temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed)
     with ctx.phase("generate", stage=cfg.folder, step=step) as ph:
         r = make_engine("native", policy, tok).generate(prompts, params)
@@ -97,23 +101,52 @@ def normalize_and_agree(ctx: RunContext, cfg: RewardModelStage, model, step: int
                    cost=costs.forward(model.config, batch=len(r), seq_len=r.sequence_ids.shape[1], logits="scalar")):
         scores = last_token_scores(model, r.sequence_ids, r.sequence_mask, r.position_ids).cpu()  # (R,)
     model.train()
-    gold = gold_rewards([fact_of(problems[i]) for i in r.prompt_index.tolist()], r.texts, r.finish_reason)
+    rows = [problems[i] for i in r.prompt_index.tolist()]
+    gold_r = gold.gold_rewards(rows, r.texts, r.finish_reason) if gold is not None else [None] * len(rows)
     agree = total = 0
     for p in range(len(problems)):
         rows = range(p * k, p * k + k)
         for a in rows:
             for b in rows:
-                if a < b and gold[a] is not None and gold[b] is not None and gold[a] != gold[b]:
+                ga, gb = gold_r[a], gold_r[b]
+                if a < b and ga is not None and gb is not None and ga != gb:
                     total += 1
-                    agree += (scores[a] - scores[b]).item() * (gold[a] - gold[b]) > 0
+                    agree += (scores[a] - scores[b]).item() * (ga - gb) > 0
     mean, std = scores.mean().item(), scores.std().item()
     policy_ref = str(ctx.start.relative_to(ctx.run_dir)) if ctx.start.is_relative_to(ctx.run_dir) else str(ctx.start)
     norm = RewardNormalization(mean=mean, std=max(std, 1e-6), n=len(r), policy=policy_ref)
-    known = [g for g in gold if g is not None]
-    metrics = {"eval/gold_agreement": agree / total if total else float("nan"), "eval/gold_pairs": total,
-               "eval/score_mean_raw": mean, "eval/score_std_raw": std,
-               "eval/start_gold_reward": sum(known) / len(known) if known else float("nan")}
+    known = [g for g in gold_r if g is not None]
+    metrics = {"eval/score_mean_raw": mean, "eval/score_std_raw": std}
+    if gold is not None:
+        metrics.update({"eval/gold_agreement": agree / total if total else float("nan"), "eval/gold_pairs": total,
+                        "eval/start_gold_reward": sum(known) / len(known) if known else float("nan")})
     return norm, metrics
+
+
+def heldout_pairs(ctx: RunContext, cfg: RewardModelStage) -> list:
+    """`heldout` fresh pairs of the first data task that has pairs (a different seed offset from training)."""
+    if not cfg.heldout:
+        return []
+    task = ctx.tasks.first_with(task_names(cfg.data + cfg.rankings), Capability.PREFERENCE)
+    if task is None:
+        ctx.console.print(f"[dim]{cfg.folder}: no held-out pair accuracy (no data source is a task that supplies pairs)")
+        return []
+    return load_records(ctx.tasks, [DataSource(task=task.name, n=cfg.heldout)], "preference", seed=ctx.recipe.seed,
+                        seed_offset=1).records
+
+
+def norm_prompts(ctx: RunContext, cfg: RewardModelStage, train: list) -> tuple[list[Problem], Task | None]:
+    """The prompts whose start-policy samples normalize the reward: fresh problems of the first data task
+    that has them, with its gold judge; else the training records' own prompts, and no gold agreement."""
+    n = max(1, cfg.norm_samples // cfg.samples_per_prompt)
+    sources = cfg.data + cfg.rankings
+    task = ctx.tasks.first_with(task_names(sources), Capability.PROBLEMS)
+    if task is not None:
+        problems = task.records("problem", n, seed_offset=17)
+        return problems, gold_task(ctx, cfg.folder, sources, "gold agreement")  # type: ignore[return-value]
+    ctx.console.print(f"[dim]{cfg.folder}: gold agreement omitted (no data source is a task with problems and a gold "
+                      "judge); the reward is normalized on the training prompts")
+    return [Problem(prompt=r.prompt, origin=r.origin) for r in train[:n]], None
 
 
 def save_final(ctx: RunContext, cfg: RewardModelStage, t: Trainer, norm: RewardNormalization) -> Path:
@@ -131,8 +164,8 @@ def save_final(ctx: RunContext, cfg: RewardModelStage, t: Trainer, norm: RewardN
 def run_reward_model(cfg: RewardModelStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
     tok, seed = ctx.tokenizer, ctx.recipe.seed
-    loaded = [load_records(ctx.world, cfg.data, "preference", seed=seed)] if cfg.data else []
-    loaded += [load_records(ctx.world, cfg.rankings, "ranking", seed=seed)] if cfg.rankings else []
+    loaded = [load_records(ctx.tasks, cfg.data, "preference", seed=seed)] if cfg.data else []
+    loaded += [load_records(ctx.tasks, cfg.rankings, "ranking", seed=seed)] if cfg.rankings else []
     if not loaded:
         raise ValueError(f"{cfg.folder}: no training data; give `data` (pairs) and/or `rankings`")
     skipped = {reason: n for ld in loaded for reason, n in ld.skipped.items()}
@@ -140,7 +173,8 @@ def run_reward_model(cfg: RewardModelStage, ctx: RunContext) -> StageResult:
         for line in ld.summaries:
             ctx.console.print(f"{cfg.folder}: {line}")
     train: list[Item] = [encode_ranking_like(r, tok, cfg.max_len, cfg.truncation) for ld in loaded for r in ld.records]
-    held = load_records(ctx.world, [DataSource(world="arithmetic", n=cfg.heldout)], "preference", seed=seed, seed_offset=1).records if cfg.heldout else []
+    held = heldout_pairs(ctx, cfg)
+    norm_problems, gold = norm_prompts(ctx, cfg, [r for ld in loaded for r in ld.records])
     val = [encode_ranking_like(r, tok, cfg.max_len, "left") for r in held]
     kinds = [str(r.meta.get("kind", "all")) for r in held]
     # a new zero head on the start policy, or the scalar model of the checkpoint being resumed
@@ -181,7 +215,7 @@ def run_reward_model(cfg: RewardModelStage, ctx: RunContext) -> StageResult:
                 with ctx.phase("eval", stage=cfg.folder, step=step):
                     metrics.update(pair_accuracy(t.model, val, kinds, tok.pad_token_id))
             if step == cfg.steps:
-                norm, agreement = normalize_and_agree(ctx, cfg, t.model, step)
+                norm, agreement = normalize_and_agree(ctx, cfg, t.model, step, norm_problems, gold)
                 metrics.update(agreement)
             if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
                 ctx.log(cfg.folder, step, {**metrics, "data/skipped": float(sum(skipped.values()))})

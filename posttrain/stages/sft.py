@@ -11,12 +11,13 @@ import time
 
 import torch
 
-from posttrain.data import EncodedSFT, EpochSampler, collate_sft, encode_sft_dataset, mix, parse_record, read_jsonl
+from posttrain.data import EncodedSFT, EpochSampler, collate_sft, encode_sft_dataset, mix, read_jsonl
 from posttrain.data.records import SFTExample
 from posttrain.losses import sft_loss, token_logprobs
-from posttrain.runtime.config import DataSource, SFTStage
+from posttrain.runtime.config import DataSource, SFTStage, task_names
 from posttrain.runtime.context import RunContext, StageResult
 from posttrain.stages._training import optimizer_step, save, start_or_resume
+from posttrain.tasks import Capability
 from posttrain.telemetry import costs
 
 
@@ -27,10 +28,22 @@ def load_sft_examples(ctx: RunContext, sources: list[DataSource], *, seed_offset
         if src.path is not None:
             pools.append((read_jsonl(src.path, "sft").records, src.weight))
         else:
-            rows = ctx.world.sft_split(src.n, seed_offset=seed_offset)
-            pools.append(([parse_record({"messages": r}, "sft", where=f"world[{i}]") for i, r in enumerate(rows)], src.weight))
+            pools.append((ctx.tasks.get(src.task).records("sft", src.n, seed_offset=seed_offset), src.weight))
     total = sum(len(p) for p, _ in pools)
     return pools[0][0] if len(pools) == 1 else mix(pools, total, seed=ctx.recipe.seed)
+
+
+def heldout_examples(ctx: RunContext, cfg: SFTStage) -> list[SFTExample]:
+    """`heldout` fresh examples of the first data task with demonstrations (never a training one: a
+    different seed offset), for the eval loss; none, said so, when the sources are files only."""
+    if not cfg.heldout:
+        return []
+    task = ctx.tasks.first_with(task_names(cfg.data), Capability.SFT)
+    if task is None:
+        ctx.console.print(f"[dim]{cfg.folder}: no held-out eval loss (heldout: {cfg.heldout}, but no data source is a task "
+                          "that supplies demonstrations; a file's examples are all trained on)")
+        return []
+    return load_sft_examples(ctx, [DataSource(task=task.name, n=cfg.heldout)], seed_offset=1)
 
 
 def sft_batch_loss(model, encoded: list[EncodedSFT], pad_id: int, num_tokens: float) -> tuple[torch.Tensor, int]:
@@ -63,8 +76,7 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
     if n_trunc:
         train = [e for e in train if not e.truncated]  # "drop": over-long examples are counted and left out
         ctx.console.print(f"[yellow]sft: dropped {n_trunc} examples longer than max_len={cfg.max_len}")
-    world_val = [DataSource(world="arithmetic", n=cfg.heldout)] if cfg.heldout else []
-    val, _ = encode_sft_dataset(load_sft_examples(ctx, world_val, seed_offset=1) if world_val else [], tok, cfg.max_len, truncation="right")
+    val, _ = encode_sft_dataset(heldout_examples(ctx, cfg), tok, cfg.max_len, truncation="right")
     t = start_or_resume(ctx, cfg)
     sampler = EpochSampler(len(train), cfg.batch_size, seed=ctx.recipe.seed)
     if t.data_state is not None:
