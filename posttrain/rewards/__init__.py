@@ -32,6 +32,7 @@ from posttrain.rewards.combine import (
 )
 from posttrain.rewards.format import (
     ThinkMode,
+    answer_region,
     answer_span,
     extract_answer,
     final_answer,
@@ -71,6 +72,7 @@ __all__ = [
     "answer_span",
     "build_verifier",
     "combine",
+    "answer_region",
     "extract_answer",
     "final_answer",
     "format_answer",
