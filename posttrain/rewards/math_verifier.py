@@ -21,9 +21,11 @@ Departures:
    tag follows — never in the reasoning. Inside that region extraction is math-verify's, lenient:
    a hedge ``38 or 39`` is graded as its last answer. The one-answer, no-trailing-junk rule is
    the ``format`` verifier's (combine both to pay for it).
-3. A gold without math delimiters or a box (``1/3``, ``\\{1,2\\}``, ``(-\\infty, 3]``: how datasets
-   store golds) is parsed as ``\\boxed{gold}``, math-verify's most reliable extraction target; a
-   gold that has them (``$\\frac{1}{3}$``, ``\\boxed{38}``, a whole reference solution) as it is.
+3. A bare LaTeX gold (``\\frac{1}{3}``, ``2\\sqrt{3}``, ``\\{1,2\\}``, ``(-\\infty, 3]``: how datasets
+   store golds) is parsed as ``\\boxed{gold}``, math-verify's most reliable extraction target —
+   read as it is, ``2\\sqrt{3}`` would be the number 2. A gold with math delimiters or a box
+   (``$\\frac{1}{3}$``, ``\\boxed{38}``, a whole reference solution), or one of plain digits,
+   signs, separators, ``/`` and ``%`` (``19``, ``1,22``, ``-10/9``), is parsed as it is.
 4. Exact-integer fast path, only where it is provably what math-verify returns: a bare integer
    gold (``-12``, no leading zeros) and an answer region that is one ASCII integer (``19``,
    ``007``, ``-3``, an optional final period). On such text math-verify's only matching pattern
@@ -70,6 +72,9 @@ _DECIMAL = rf"(?:{_DIGITS}(?:\.[0-9]+)?|\.[0-9]+)"
 _FRAC = r"(?:\\[dtc]?frac\s*\{\s*[+-]?[0-9]+\s*\}\s*\{\s*[+-]?[0-9]+\s*\}|\\[dtc]?frac\s*[0-9]\s*[0-9])"
 _NUMBER = re.compile(rf"[+-]?\s*(?:{_FRAC}|{_DIGITS}\s*/\s*{_DIGITS}|{_DECIMAL})\s*(?:\\?%)?")
 _LAST_EQUALS = re.compile(r"(?:=|\\approx)")
+# A gold of digits, signs, separators, '/' and '%' only: math-verify's plain-number reader takes it
+# as written (`1,22` is 1.22, `1 000` is 1000); boxed, `1,22` would become the set {1, 22}.
+_PLAIN_NUMBER_GOLD = re.compile(r"[0-9+\-.,/%\s]+")
 
 
 def fast_integers(gold: str, region: str) -> tuple[int, int] | None:
@@ -86,8 +91,12 @@ def is_number_literal(text: str) -> bool:
 
 
 def final_value(text: str) -> str:
-    """What an extracted answer states last: ``k = \\frac{1}{3}`` → ``\\frac{1}{3}``; ``12+7=19`` → ``19``."""
-    return _LAST_EQUALS.split(text)[-1]
+    """What an extracted answer states last, outer parentheses dropped: ``k = \\frac{1}{3}`` →
+    ``\\frac{1}{3}``; ``12+7=19`` → ``19``; ``( \\frac{1}{3} )`` (from ``\\left( … \\right)``) → ``\\frac{1}{3}``."""
+    value = _LAST_EQUALS.split(text)[-1].strip()
+    while value.startswith("(") and value.endswith(")") and "(" not in value[1:-1] and ")" not in value[1:-1]:
+        value = value[1:-1].strip()
+    return value
 
 
 def gold_text(gold: object) -> str | None:
@@ -103,7 +112,7 @@ def gold_text(gold: object) -> str | None:
     text = gold.strip()
     if not text:
         return None
-    if "\\boxed" in text or "$" in text or "\\(" in text or "\\[" in text:
+    if _PLAIN_NUMBER_GOLD.fullmatch(text) or any(m in text for m in ("\\boxed", "$", "\\(", "\\[")):
         return text
     return f"\\boxed{{{text}}}"
 
