@@ -125,10 +125,21 @@ def test_integer_fast_path_agrees_with_math_verify():
     with MathVerifier(timeout_s=5.0) as fast_verifier, MathVerifier(timeout_s=5.0, integer_fast_path=False) as slow_verifier:
         fast = fast_verifier(FAST_CASES, answer=golds)
         slow = slow_verifier(FAST_CASES, answer=golds)
-        assert fast_verifier.counters["in_process"] == 13 and fast_verifier.counters["pooled"] == 5
+        # 13 integers in-process, and ٣ too (no ASCII digit for a number gold); 4 to math-verify
+        assert fast_verifier.counters["in_process"] == 14 and fast_verifier.counters["pooled"] == 4
         assert slow_verifier.counters["pooled"] == len(FAST_CASES)  # every item through math-verify
     assert list(slow) == expected
     assert list(fast) == expected  # the fast path changes no verdict
+
+
+def test_digit_free_answers_to_a_number_gold_are_decided_in_process():
+    completions = ["I do not know", "$x$", "\\frac{a}{b}", "nineteen", "<think>19</think> many"]
+    golds = ["19", "19", "1/2", "19", "19"]
+    with MathVerifier(timeout_s=5.0) as fast_verifier, MathVerifier(timeout_s=5.0, integer_fast_path=False) as slow_verifier:
+        fast = fast_verifier(completions, answer=golds)
+        slow = slow_verifier(completions, answer=golds)
+        assert fast_verifier.counters["in_process"] == 5 and fast_verifier.counters["pooled"] == 0
+    assert list(fast) == list(slow) == [0.0] * 5  # the worker, asked, says the same
 
 
 def test_the_two_answers_smollm2_writes_score_one(verifier):

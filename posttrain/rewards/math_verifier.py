@@ -32,7 +32,9 @@ Departures:
    is its plain-number one, which yields ``int(text)``; its LaTeX patterns need a delimiter,
    ``\\frac`` or ``\\boxed``, its expression pattern an operator after the first digit, its
    answer patterns a word. ``+5`` and ``-007`` match none of them (math-verify finds no answer,
-   so they score 0.0) and are left to it. A test compares the fast path with math-verify.
+   so they score 0.0) and are left to it. Likewise an answer region without one ASCII digit for a
+   number-literal gold scores 0.0 in-process: nothing math-verify could extract from it passes the
+   literal guard (departure 5). A test compares both with math-verify.
 5. ``literal_numbers=True`` (default): when the gold is a number literal (integer, decimal,
    fraction, percentage), the answer math-verify extracted must be one too — after its last
    ``=`` or ``\\approx``, so ``x = 5`` and ``12 + 7 = 19`` count as ``5`` and ``19`` — else 0.0.
@@ -71,6 +73,7 @@ _DIGITS = r"(?:[0-9]{1,3}(?:(?:,|\{,\}|\\,|,\\!)[0-9]{3})+|[0-9]+)"
 _DECIMAL = rf"(?:{_DIGITS}(?:\.[0-9]+)?|\.[0-9]+)"
 _FRAC = r"(?:\\[dtc]?frac\s*\{\s*[+-]?[0-9]+\s*\}\s*\{\s*[+-]?[0-9]+\s*\}|\\[dtc]?frac\s*[0-9]\s*[0-9])"
 _NUMBER = re.compile(rf"[+-]?\s*(?:{_FRAC}|{_DIGITS}\s*/\s*{_DIGITS}|{_DECIMAL})\s*(?:\\?%)?")
+_ASCII_DIGIT = re.compile(r"[0-9]")
 _LAST_EQUALS = re.compile(r"(?:=|\\approx)")
 # A gold of digits, signs, separators, '/' and '%' only: math-verify's plain-number reader takes it
 # as written (`1,22` is 1.22, `1 000` is 1000); boxed, `1,22` would become the set {1, 22}.
@@ -418,6 +421,11 @@ class MathVerifier:
             if ints is not None:
                 self.counters["in_process"] += 1
                 values[i] = 1.0 if ints[0] == ints[1] else 0.0
+            elif self.literal_numbers and self.integer_fast_path and is_number_literal(bare_gold) and not _ASCII_DIGIT.search(region):
+                # A number gold and not one digit in the region: whatever math-verify extracts is no
+                # number literal, so the guard scores it 0.0 — decided here, without the worker.
+                self.counters["in_process"] += 1
+                values[i] = 0.0
             else:
                 jobs.append((i, gold, region))
         if jobs:
