@@ -44,7 +44,7 @@ from posttrain.sandbox.execution import HARNESS_SOURCE, Execution, Job, Limits, 
 SANDBOX_UID = 65534  # "nobody" inside the user namespace
 PROCESS_OVERHEAD = 1  # bwrap itself (the shell exec'd into it) is in the cgroup but not the sandbox
 # After SIGKILL, PID 1 exits once the namespace is empty and its mounts are torn down: 2.5 s measured
-# for a tmpfs of ~10^6 directories on a loaded 2-core host. We wait for it (see `_SandboxInit.kill`);
+# for a tmpfs of ~5·10^5 directories on a loaded 2-core host. We wait for it (see `_SandboxInit.kill`);
 # the limit only bounds a kernel that never lets it exit.
 REAP_LIMIT_S = 300.0
 BWRAP_EXIT_S = 5.0  # bwrap exits right after it reaps PID 1
