@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from posttrain.data import (
     parse_record,
     read_jsonl,
 )
+from posttrain.data import readers
 
 GOOD = {
     "sft": {"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]},
@@ -105,6 +109,83 @@ def test_invalid_utf8(tmp_path):
         read_jsonl(path, "sft")
     # '{"prompt": "' is 12 bytes, so the bad byte is the 13th
     assert str(e.value) == f"{path}:2: not valid UTF-8 (byte 13 of the line); expected UTF-8 text"
+
+
+def test_utf8_bom_is_dropped(tmp_path):
+    # what Notepad writes: EF BB BF, then the text; the records equal those of the same file without it
+    rows = [json.dumps(GOOD["problem"]), json.dumps({"prompt": "3+4?", "answer": "7"})]
+    plain = write(tmp_path / "plain.jsonl", rows)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert read_jsonl(bom, "problem").records == read_jsonl(plain, "problem").records
+    assert read_jsonl(bom, "problem").report.records == 2
+
+
+def test_a_bom_after_line_1_is_still_an_error(tmp_path):
+    # only the start of the file may carry a mark; one mid-file is a stray character before the JSON
+    path = tmp_path / "mid.jsonl"
+    path.write_bytes(json.dumps(GOOD["sft"]).encode() + b"\n\xef\xbb\xbf" + json.dumps(GOOD["sft"]).encode() + b"\n")
+    with pytest.raises(DataError, match=r"mid.jsonl:2: malformed JSON"):
+        read_jsonl(path, "sft")
+
+
+def test_utf16_file_is_named(tmp_path):
+    path = tmp_path / "u16.jsonl"
+    path.write_bytes(json.dumps(GOOD["sft"]).encode("utf-16"))  # Python writes the FF FE mark first
+    with pytest.raises(DataError) as e:
+        read_jsonl(path, "sft")
+    assert str(e.value) == (f"{path}: file is UTF-16 (little-endian) (it starts with a byte-order mark); "
+                            "expected UTF-8 text, e.g. re-save it as UTF-8")
+
+
+def _refused_within(path: Path, seconds: float = 5.0) -> str:
+    """Read `path` in a daemon thread: a reader that blocks in open() fails the test instead of hanging it."""
+    out: dict[str, BaseException] = {}
+
+    def read() -> None:
+        try:
+            read_jsonl(path, "sft")
+        except BaseException as e:  # noqa: BLE001 — handed to the test thread
+            out["error"] = e
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"read_jsonl({path}) still blocked after {seconds} s"
+    assert isinstance(out.get("error"), DataError), out
+    msg = str(out["error"])
+    assert "\n" not in msg
+    return msg
+
+
+def test_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    assert _refused_within(fifo) == (f"{fifo}: is a named pipe (FIFO), not a regular file; "
+                                     "expected a JSONL file of sft records")
+    link = tmp_path / "link.jsonl"  # a symlink is followed: what it points to is judged
+    link.symlink_to(fifo)
+    assert _refused_within(link).startswith(f"{link}: is a named pipe (FIFO), not a regular file")
+
+
+def test_socket_and_device_are_refused(tmp_path):
+    sock_path = tmp_path / "s.jsonl"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(sock_path))
+        assert _refused_within(sock_path) == f"{sock_path}: is a socket, not a regular file; expected a JSONL file of sft records"
+    assert _refused_within(Path("/dev/null")) == ("/dev/null: is a character device, not a regular file; "
+                                                  "expected a JSONL file of sft records")
+
+
+def test_fifo_swapped_in_after_the_stat_is_caught_on_the_descriptor(tmp_path, monkeypatch):
+    # the race: the path is regular when stat'ed, a FIFO when opened. The non-blocking open returns at
+    # once and the descriptor's own fstat refuses it.
+    regular = write(tmp_path / "r.jsonl", [json.dumps(GOOD["sft"])])
+    fifo = tmp_path / "swapped.jsonl"
+    os.mkfifo(fifo)
+    real_stat = os.stat
+    monkeypatch.setattr(readers.os, "stat", lambda p, *a, **k: real_stat(regular) if Path(p) == fifo else real_stat(p, *a, **k))
+    assert _refused_within(fifo).startswith(f"{fifo}: is a named pipe (FIFO), not a regular file")
 
 
 # --- row-level errors: (kind, line 3, expected message with F = the file) ------------------------
@@ -256,3 +337,14 @@ def test_hf_dataset_empty_and_default_name():
     # no name given: the dataset's own name (none here) falls back to 'dataset'
     _, report = from_hf_dataset(datasets.Dataset.from_list([GOOD["preference"]]), "preference")
     assert report.source == "dataset"
+
+
+def test_recipe_fifo_is_refused_without_blocking(tmp_path):
+    # the recipe is the other user file the CLI opens; `is_file()` is False for a FIFO, so it never blocks
+    from posttrain.runtime.config import RecipeError, load_recipe
+
+    fifo = tmp_path / "recipe.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(fifo)
+    assert str(e.value) == f"{fifo}: is not a regular file; expected a recipe YAML file"

@@ -3,7 +3,8 @@
 The schemas are documented in docs/data.md. Validation policy, one rule per case:
 
 * **Error** (one `DataError`, one line naming file:line, the field and what was expected): path that
-  does not exist or is a directory; empty file (or only blank lines); a line that is not valid UTF-8
+  does not exist, is a directory or is any other non-regular file (a FIFO, socket or device: refused
+  before it is opened, since opening a FIFO blocks forever); a UTF-16 file; empty file (or only blank lines); a line that is not valid UTF-8
   or not valid JSON or not a JSON object; a missing required field; a field of the wrong type; an
   unknown chat role; empty (or whitespace-only) text; an SFT chat with no assistant turn; a ranking
   with fewer than 2 responses; a problem with neither `answer` nor `tests`; a file in which every row
@@ -14,6 +15,7 @@ The schemas are documented in docs/data.md. Validation policy, one rule per case
   contradictory). Both occur in real preference datasets as ties.
 * **Kept**: columns a schema does not name go into the record's `meta` dict. Keys of a chat message
   other than `role` and `content` (e.g. `name`) are dropped and listed in `ReadReport.ignored_message_keys`.
+* A UTF-8 byte-order mark at the start of a file is dropped (editors on Windows write one).
 * Blank lines are skipped and counted (`ReadReport.blank_lines`). A JSON `null` in an optional field
   means absent (HF datasets fill missing columns with None); in a required field it is a wrong type.
 """
@@ -21,10 +23,12 @@ The schemas are documented in docs/data.md. Validation policy, one rule per case
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from posttrain.data.records import (
     KINDS,
@@ -111,16 +115,13 @@ def read_jsonl(path: str | Path, kind: str) -> ReadResult:
     """Read a JSONL file of `kind` records (see `KINDS`). Raises `DataError` on the first bad row."""
     _check_kind(kind)
     path = Path(path)
-    if not path.exists():
-        raise DataError(str(path), f"file does not exist; expected a JSONL file of {kind} records",
-                        expected="an existing file")
-    if path.is_dir():
-        raise DataError(str(path), "is a directory; expected a JSONL file", expected="a file")
     report = ReadReport(source=str(path), kind=kind)
     records: list[Record] = []
-    with path.open("rb") as f:
+    with open_data_file(path, f"a JSONL file of {kind} records") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
+            if lineno == 1:
+                raw = _strip_bom(raw, str(path))
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -173,6 +174,70 @@ def parse_record(row: Any, kind: str, where: str = "") -> Record:
         return _PARSERS[kind](_as_object(row, where), where, report)
     except _Skip as s:
         raise DataError(where, f"row would be skipped: {s.reason}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Opening a user's file
+
+
+def open_data_file(path: Path, expected: str) -> BinaryIO:
+    """Open a user's data file for binary reading, refusing anything that is not a regular file.
+
+    A FIFO given as a data file would block `open()` until a writer appears (forever, in practice);
+    a character device such as /dev/zero never ends; a socket cannot be opened at all. So the path is
+    stat'ed first (following symlinks) and refused in one line naming what it is. The open itself is
+    non-blocking and the opened descriptor is checked again, so a path swapped for a FIFO between the
+    two checks cannot hang us either."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DataError(str(path), f"file does not exist; expected {expected}", expected="an existing file") from None
+    except OSError as e:
+        raise DataError(str(path), f"cannot read ({e.strerror}); expected {expected}", expected="a readable file") from None
+    _check_regular(st.st_mode, path, expected)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise DataError(str(path), f"cannot open ({e.strerror}); expected {expected}", expected="a readable file") from None
+    try:
+        _check_regular(os.fstat(fd).st_mode, path, expected)
+        os.set_blocking(fd, True)  # no effect on a regular file's reads; restores the ordinary mode
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def _check_regular(mode: int, path: Path, expected: str) -> None:
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise DataError(str(path), f"is a directory; expected {expected}", expected="a regular file")
+    what = _FILE_TYPES.get(stat.S_IFMT(mode), "not a regular file")
+    raise DataError(str(path), f"is {what}, not a regular file; expected {expected}", expected="a regular file")
+
+
+_FILE_TYPES = {
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+_UTF8_BOM = b"\xef\xbb\xbf"
+_UTF16_BOMS = {b"\xff\xfe": "UTF-16 (little-endian)", b"\xfe\xff": "UTF-16 (big-endian)"}
+
+
+def _strip_bom(first_line: bytes, where: str) -> bytes:
+    """Drop a UTF-8 byte-order mark (what Notepad and some Windows tools write at the start of a file);
+    name a UTF-16 one, whose file is not UTF-8 at all."""
+    if first_line.startswith(_UTF8_BOM):
+        return first_line[len(_UTF8_BOM):]
+    for bom, name in _UTF16_BOMS.items():
+        if first_line.startswith(bom):
+            raise DataError(where, f"file is {name} (it starts with a byte-order mark); expected UTF-8 text, "
+                                   "e.g. re-save it as UTF-8", expected="UTF-8")
+    return first_line
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from posttrain.rewards.base import Scores, Skip, Verifier, VerifierInputError
 from posttrain.rewards.combine import CombinedRewards, VerifierStats, WeightedVerifier, combine
 from posttrain.rewards.format import (
     ThinkMode,
+    answer_region,
     answer_span,
     extract_answer,
     final_answer,
@@ -65,6 +66,7 @@ __all__ = [
     "answer_span",
     "build_verifier",
     "combine",
+    "answer_region",
     "extract_answer",
     "final_answer",
     "format_answer",

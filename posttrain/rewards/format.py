@@ -9,8 +9,8 @@ the *whole* completion (surrounding whitespace ignored)::
     reasoning   := any text without "<think>" / "</think>", not blank in REQUIRED mode
     answer_span := exactly one answer (see :func:`extract_answer`), nothing else
 
-and the answer a checker grades is the one :func:`extract_answer` returns for the span the format
-check validated (:func:`final_answer`), never a number from inside the reasoning.
+An accuracy checker reads its answer from :func:`answer_region` (what follows the reasoning), never
+from inside the reasoning.
 
 Departures (R1 does not spell its grammar out; these are our choices):
 1. The answer span must hold exactly one answer. Either one ``\\boxed{…}`` (repeats of the same
@@ -23,10 +23,13 @@ Departures (R1 does not spell its grammar out; these are our choices):
 2. A second ``<think>`` block, or a tag left in the answer span, is junk; so is a left-over special
    token (``38<|im_end|>``): decode completions with ``skip_special_tokens=True``.
 3. ``ThinkMode.OPTIONAL`` accepts a bare answer span, for easy problems answered directly.
-4. :func:`final_answer` (used by the accuracy checkers) is more lenient about the *reasoning*
-   than the format check: it takes whatever follows the first ``</think>`` even without an opening
-   tag (chat templates that open ``<think>`` in the prompt), so that format and accuracy stay
-   separate rewards. Where the format check passes, both return the same answer.
+4. :func:`answer_region` (where the accuracy checkers look for the answer) is more lenient about
+   the *reasoning* than the format check: it takes whatever follows the first ``</think>`` even
+   without an opening tag (chat templates that open ``<think>`` in the prompt), so that format and
+   accuracy stay separate rewards. The `math` checker extracts the answer from that region the way
+   math-verify does (lenient: the last answer counts); the one-answer rule lives here only.
+   :func:`final_answer` is this grammar applied to that region: where the format check passes,
+   both return the same answer.
 """
 
 from __future__ import annotations
@@ -159,12 +162,12 @@ def extract_answer(span: str) -> str | None:
     return inner or None
 
 
-def final_answer(completion: str) -> str | None:
-    """The answer an accuracy checker grades: from the text after the first ``</think>`` only.
+def answer_region(completion: str) -> str | None:
+    """The text the answer must come from: after the first ``</think>`` (the whole completion when
+    there is no think tag); ``None`` when ``<think>`` is never closed or a think tag follows.
 
-    Without any think tag the whole completion is the answer span; with an opening tag but no
-    closing one the reasoning never ended and there is no answer.
-    """
+    Unlike :func:`answer_span` it accepts a missing opening tag (chat templates that open
+    ``<think>`` in the prompt) and asks nothing of the reasoning."""
     close = completion.find(THINK_CLOSE)
     if close >= 0:
         span = completion[close + len(THINK_CLOSE) :]
@@ -174,7 +177,13 @@ def final_answer(completion: str) -> str | None:
         span = completion
     if THINK_OPEN in span or THINK_CLOSE in span:
         return None
-    return extract_answer(span)
+    return span
+
+
+def final_answer(completion: str) -> str | None:
+    """The single answer of :func:`answer_region`, by this module's strict grammar (else ``None``)."""
+    region = answer_region(completion)
+    return None if region is None else extract_answer(region)
 
 
 def format_answer(completion: str, *, think: ThinkMode = ThinkMode.REQUIRED) -> str | None:

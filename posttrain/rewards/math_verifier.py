@@ -1,10 +1,13 @@
-"""Math answer verifier: math-verify in killable worker processes, with an exact-integer fast path.
+"""Math answer verifier: math-verify's own extraction and comparison, in killable worker processes.
 
 Reference: Hugging Face ``math-verify`` (Kydlíček et al. 2025), as used for the accuracy reward of
 DeepSeek-R1-style RLVR (DeepSeek-AI 2025, §2.2.2: "the model is required to provide the final
 answer in a specified format (e.g. within a box), enabling reliable rule-based verification").
-Each item is ``parse(gold)`` first, then ``parse(pred)``, then ``verify(gold, pred)`` — in that
-order, because ``verify`` is not symmetric. Score 1.0 = correct, 0.0 = wrong or no answer.
+Each item is ``parse(gold)``, ``parse(answer)``, ``verify(gold, answer)`` with math-verify's
+default extraction (LaTeX then plain expressions: the last ``\\boxed{}``, an "answer is …" span,
+``$…$``/``\\(…\\)``/``\\[…\\]``/``$$…$$``, ``x = …`` forms, thousands separators, percent, units
+and ``\\text`` wrappers stripped, sets and intervals) — gold first, since ``verify`` is not
+symmetric. Score 1.0 = correct, 0.0 = wrong or no answer found.
 
 Departures:
 1. Hard, killable timeout. math-verify's own timeout uses ``signal.alarm``, which raises outside
@@ -13,21 +16,33 @@ Departures:
    parent waits at most ``timeout_s``; a worker past its deadline is SIGKILLed and replaced, and
    the item is ``None`` with reason ``timeout``. math-verify's internal timeouts are disabled.
    A worker also runs under an address-space limit (``memory_limit_mb``).
-2. The answer is only the one :func:`posttrain.rewards.format.final_answer` finds after
-   ``</think>`` (a ``\\boxed{}`` or the bare answer span), never a number from the reasoning; a
-   missing, doubled or junk-trailed answer scores 0.0. Both gold and answer go to math-verify
-   wrapped in ``\\boxed{…}`` (its most reliable extraction target; measured ~0.4 ms per parse).
-3. Exact-integer fast path: when the gold answer and the extracted answer are both integers
-   (``-12``, ``1,234``), they are compared in-process with ``int`` — no worker round trip. This is
-   the whole arithmetic world; anything else goes to math-verify.
-4. ``literal_numbers=True`` (default): when the gold answer is a number literal (integer, decimal,
-   fraction, percentage), the answer must be one too, else it scores 0.0 without calling
-   math-verify. math-verify evaluates expressions, so ``12+7`` would "equal" a gold ``19`` — a
-   policy could restate the question and be paid for it. Symbolic golds (``2\\sqrt{3}``) are
-   unaffected.
-5. ``None`` (cannot judge) is returned for: a missing/blank gold or one math-verify cannot parse
+2. The answer is looked for only in :func:`posttrain.rewards.format.answer_region` — after
+   ``</think>`` when there is one; no answer when ``<think>`` is never closed or a second think
+   tag follows — never in the reasoning. Inside that region extraction is math-verify's, lenient:
+   a hedge ``38 or 39`` is graded as its last answer. The one-answer, no-trailing-junk rule is
+   the ``format`` verifier's (combine both to pay for it).
+3. A bare LaTeX gold (``\\frac{1}{3}``, ``2\\sqrt{3}``, ``\\{1,2\\}``, ``(-\\infty, 3]``: how datasets
+   store golds) is parsed as ``\\boxed{gold}``, math-verify's most reliable extraction target —
+   read as it is, ``2\\sqrt{3}`` would be the number 2. A gold with math delimiters or a box
+   (``$\\frac{1}{3}$``, ``\\boxed{38}``, a whole reference solution), or one of plain digits,
+   signs, separators, ``/`` and ``%`` (``19``, ``1,22``, ``-10/9``), is parsed as it is.
+4. Exact-integer fast path, only where it is provably what math-verify returns: a bare integer
+   gold (``-12``, no leading zeros) and an answer region that is one ASCII integer (``19``,
+   ``007``, ``-3``, an optional final period). On such text math-verify's only matching pattern
+   is its plain-number one, which yields ``int(text)``; its LaTeX patterns need a delimiter,
+   ``\\frac`` or ``\\boxed``, its expression pattern an operator after the first digit, its
+   answer patterns a word. ``+5`` and ``-007`` match none of them (math-verify finds no answer,
+   so they score 0.0) and are left to it. Likewise an answer region without one ASCII digit for a
+   number-literal gold scores 0.0 in-process: nothing math-verify could extract from it passes the
+   literal guard (departure 5). A test compares both with math-verify.
+5. ``literal_numbers=True`` (default): when the gold is a number literal (integer, decimal,
+   fraction, percentage), the answer math-verify extracted must be one too — after its last
+   ``=`` or ``\\approx``, so ``x = 5`` and ``12 + 7 = 19`` count as ``5`` and ``19`` — else 0.0.
+   math-verify evaluates expressions, so ``12+7`` would "equal" a gold ``19``: a policy could
+   restate the question and be paid for it. Symbolic golds (``2\\sqrt{3}``) are unaffected.
+6. ``None`` (cannot judge) is returned for: a missing/blank gold or one math-verify cannot parse
    (``unjudgeable``), a timeout (``timeout``), an exception inside ``verify`` or a dead worker
-   (``error``). An answer math-verify cannot parse is the policy's fault: 0.0.
+   (``error``). An answer math-verify finds nothing in is the policy's fault: 0.0.
 """
 
 from __future__ import annotations
@@ -47,21 +62,30 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.rewards.base import Scores, Skip, VerifierInputError, check_columns
-from posttrain.rewards.format import extract_answer, final_answer
+from posttrain.rewards.format import answer_region
 
 # ---------------------------------------------------------------------------- literals
 
-_INT = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)")
-_DIGITS = r"(?:\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+|\d+)"
-_DECIMAL = rf"(?:{_DIGITS}(?:\.\d+)?|\.\d+)"
-_FRAC = r"(?:\\[dt]?frac\s*\{\s*[+-]?\d+\s*\}\s*\{\s*[+-]?\d+\s*\}|\\[dt]?frac\s*\d\s*\d)"
+# ASCII digits only: Python's \d also matches '٣', which math-verify does not read as a number.
+_GOLD_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_ANSWER_INT = re.compile(r"(?:[0-9]+|-0+|-[1-9][0-9]*)\.?")
+_DIGITS = r"(?:[0-9]{1,3}(?:(?:,|\{,\}|\\,|,\\!)[0-9]{3})+|[0-9]+)"
+_DECIMAL = rf"(?:{_DIGITS}(?:\.[0-9]+)?|\.[0-9]+)"
+_FRAC = r"(?:\\[dtc]?frac\s*\{\s*[+-]?[0-9]+\s*\}\s*\{\s*[+-]?[0-9]+\s*\}|\\[dtc]?frac\s*[0-9]\s*[0-9])"
 _NUMBER = re.compile(rf"[+-]?\s*(?:{_FRAC}|{_DIGITS}\s*/\s*{_DIGITS}|{_DECIMAL})\s*(?:\\?%)?")
+_ASCII_DIGIT = re.compile(r"[0-9]")
+_LAST_EQUALS = re.compile(r"(?:=|\\approx)")
+# A gold of digits, signs, separators, '/' and '%' only: math-verify's plain-number reader takes it
+# as written (`1,22` is 1.22, `1 000` is 1000); boxed, `1,22` would become the set {1, 22}.
+_PLAIN_NUMBER_GOLD = re.compile(r"[0-9+\-.,/%\s]+")
 
 
-def as_integer(text: str) -> int | None:
-    """``"-1,234"`` → -1234; ``None`` for anything that is not a plain integer literal."""
-    text = text.strip()
-    return int(text.replace(",", "")) if _INT.fullmatch(text) else None
+def fast_integers(gold: str, region: str) -> tuple[int, int] | None:
+    """(gold, answer) as ints when the fast path applies (departure 4), else None."""
+    gold, region = gold.strip(), region.strip()
+    if _GOLD_INT.fullmatch(gold) and _ANSWER_INT.fullmatch(region):
+        return int(gold), int(region.rstrip("."))
+    return None
 
 
 def is_number_literal(text: str) -> bool:
@@ -69,8 +93,17 @@ def is_number_literal(text: str) -> bool:
     return _NUMBER.fullmatch(text.strip()) is not None
 
 
-def normalize_gold(gold: object) -> str | None:
-    """The gold answer as a bare expression (``$\\frac12$`` / ``\\boxed{38}`` → inner), or None."""
+def final_value(text: str) -> str:
+    """What an extracted answer states last, outer parentheses dropped: ``k = \\frac{1}{3}`` →
+    ``\\frac{1}{3}``; ``12+7=19`` → ``19``; ``( \\frac{1}{3} )`` (from ``\\left( … \\right)``) → ``\\frac{1}{3}``."""
+    value = _LAST_EQUALS.split(text)[-1].strip()
+    while value.startswith("(") and value.endswith(")") and "(" not in value[1:-1] and ")" not in value[1:-1]:
+        value = value[1:-1].strip()
+    return value
+
+
+def gold_text(gold: object) -> str | None:
+    """The gold answer as math-verify should read it (departure 3), or None when there is none."""
     if gold is None or isinstance(gold, bool):
         return None
     if isinstance(gold, int):
@@ -82,9 +115,9 @@ def normalize_gold(gold: object) -> str | None:
     text = gold.strip()
     if not text:
         return None
-    if "\\boxed" in text or "$" in text or text.startswith(("\\(", "\\[")):
-        return extract_answer(text)  # same box/delimiter rules as the policy's answers
-    return text
+    if _PLAIN_NUMBER_GOLD.fullmatch(text) or any(m in text for m in ("\\boxed", "$", "\\(", "\\[")):
+        return text
+    return f"\\boxed{{{text}}}"
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -92,22 +125,29 @@ def normalize_gold(gold: object) -> str | None:
 _READY = "ready"
 
 
-def _judge(parse: Any, verify: Any, gold_cache: dict[str, list[Any]], gold: str, pred: str) -> list[str]:
+def _judge(parse: Any, verify: Any, gold_cache: dict[str, list[Any]], gold: str, region: str,
+           literal_numbers: bool) -> list[str]:
     """One item, inside a worker: ``[outcome, detail]``, outcome ∈ correct | wrong | unjudgeable."""
     if gold not in gold_cache:
         try:
-            gold_cache[gold] = parse(f"\\boxed{{{gold}}}", parsing_timeout=None, raise_on_error=True)
+            gold_cache[gold] = parse(gold, parsing_timeout=None, raise_on_error=True)
         except Exception as exc:  # noqa: BLE001 — an unparseable gold cannot be judged
             return ["unjudgeable", f"gold {gold!r} did not parse: {type(exc).__name__}"]
     parsed_gold = gold_cache[gold]
     if not parsed_gold:
         return ["unjudgeable", f"gold {gold!r} did not parse"]
     try:
-        parsed_pred = parse(f"\\boxed{{{pred}}}", parsing_timeout=None, raise_on_error=True)
+        parsed_pred = parse(region, parsing_timeout=None, raise_on_error=True)
     except Exception:  # noqa: BLE001 — the policy's answer is not math: wrong, not an error
-        return ["wrong", "answer did not parse"]
+        return ["wrong", "no answer found"]
     if not parsed_pred:
-        return ["wrong", "answer did not parse"]
+        return ["wrong", "no answer found"]
+    if literal_numbers:
+        # parse() returns [value, extracted text]: the text is what the guard reads (departure 5).
+        gold_str, pred_str = parsed_gold[-1], parsed_pred[-1]
+        if (isinstance(gold_str, str) and is_number_literal(gold_str)
+                and not (isinstance(pred_str, str) and is_number_literal(final_value(pred_str)))):
+            return ["wrong", f"answer {pred_str!r} is not a number literal"]
     ok = verify(parsed_gold, parsed_pred, timeout_seconds=None, raise_on_error=True)  # gold first
     return ["correct" if ok else "wrong", ""]
 
@@ -132,7 +172,8 @@ def _die_with_parent(parent_pid: int | None) -> None:
 
 
 def _worker_main(argv: list[str]) -> None:
-    """Entry point of a worker process: JSON lines ``[gold, pred]`` in, ``[outcome, detail]`` out."""
+    """Entry point of a worker process: JSON lines ``[gold, region, literal_numbers]`` in,
+    ``[outcome, detail]`` out."""
     memory_limit_mb = int(argv[0]) if argv else 0
     parent_pid = int(argv[1]) if len(argv) > 1 else None
     _die_with_parent(parent_pid)
@@ -157,9 +198,9 @@ def _worker_main(argv: list[str]) -> None:
     proto.write(json.dumps([_READY, ""]) + "\n")
     proto.flush()
     for line in sys.stdin:
-        gold, pred = json.loads(line)
+        gold, region, literal_numbers = json.loads(line)
         try:
-            result = _judge(parse, verify, gold_cache, gold, pred)
+            result = _judge(parse, verify, gold_cache, gold, region, literal_numbers)
         except Exception as exc:  # noqa: BLE001 — reported to the parent as a verifier error
             result = ["error", f"{type(exc).__name__}: {str(exc)[:200]}"]
         proto.write(json.dumps(result) + "\n")
@@ -190,9 +231,9 @@ class _Worker:
         self.job: int | None = None
         self.deadline = float("inf")
 
-    def send(self, gold: str, pred: str) -> None:
+    def send(self, gold: str, region: str, literal_numbers: bool) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps([gold, pred]) + "\n").encode())
+        self.proc.stdin.write((json.dumps([gold, region, literal_numbers]) + "\n").encode())
         self.proc.stdin.flush()
 
     def read_lines(self) -> list[str] | None:
@@ -245,7 +286,7 @@ class _WorkerPool:
     def close(self) -> None:
         self._finalizer()
 
-    def run(self, tasks: Sequence[tuple[str, str]], timeout_s: float) -> list[list[str]]:
+    def run(self, tasks: Sequence[tuple[str, str, bool]], timeout_s: float) -> list[list[str]]:
         """``[outcome, detail]`` per task; outcome ∈ correct | wrong | unjudgeable | error | timeout."""
         try:
             return self._run(tasks, timeout_s)
@@ -253,7 +294,7 @@ class _WorkerPool:
             _shutdown(self.workers)  # no half-assigned worker survives into the next call
             raise
 
-    def _run(self, tasks: Sequence[tuple[str, str]], timeout_s: float) -> list[list[str]]:
+    def _run(self, tasks: Sequence[tuple[str, str, bool]], timeout_s: float) -> list[list[str]]:
         results: list[list[str] | None] = [None] * len(tasks)
         queue = deque(range(len(tasks)))
         while len(self.workers) < self.size:
@@ -313,7 +354,7 @@ class MathVerifier:
 
     Holds worker processes: reuse one instance for a whole run and ``close()`` it (or use ``with``).
     Thread-safe (calls are serialized). ``counters`` counts items decided in-process (integer fast
-    path, non-literal answer to a number), without an answer, sent to math-verify (``pooled``),
+    path: ``in_process``), without an answer region (``no_answer``), sent to math-verify (``pooled``),
     timeouts and worker restarts over the instance's life. Worker start-up costs ~0.5–1.5 s, paid
     on first use of math-verify and after each timeout; integer-only batches never start a worker.
     """
@@ -356,15 +397,6 @@ class MathVerifier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _fast(self, gold: str, pred: str) -> float | None:
-        """Verdict without math-verify, or None to ask it."""
-        gold_int, pred_int = as_integer(gold), as_integer(pred)
-        if self.integer_fast_path and gold_int is not None and pred_int is not None:
-            return 1.0 if gold_int == pred_int else 0.0
-        if self.literal_numbers and is_number_literal(gold) and not is_number_literal(pred):
-            return 0.0
-        return None
-
     def __call__(self, completions: Sequence[str], *, answer: Sequence[Any], **_: Any) -> Scores:
         check_columns("math", completions, answer=answer)
         with self._lock:
@@ -375,23 +407,29 @@ class MathVerifier:
         reasons: list[Skip | None] = [None] * len(completions)
         jobs: list[tuple[int, str, str]] = []
         for i, (completion, raw_gold) in enumerate(zip(completions, answer)):
-            gold = normalize_gold(raw_gold)
+            gold = gold_text(raw_gold)
             if gold is None:
                 reasons[i] = Skip.UNJUDGEABLE
                 continue
-            pred = final_answer(completion)
-            if pred is None:
+            region = answer_region(completion)
+            if region is None or not region.strip():
                 self.counters["no_answer"] += 1
                 values[i] = 0.0
                 continue
-            fast = self._fast(gold, pred)
-            if fast is not None:
+            bare_gold = str(raw_gold).strip()
+            ints = fast_integers(bare_gold, region) if self.integer_fast_path else None
+            if ints is not None:
                 self.counters["in_process"] += 1
-                values[i] = fast
+                values[i] = 1.0 if ints[0] == ints[1] else 0.0
+            elif self.literal_numbers and self.integer_fast_path and is_number_literal(bare_gold) and not _ASCII_DIGIT.search(region):
+                # A number gold and not one digit in the region: whatever math-verify extracts is no
+                # number literal, so the guard scores it 0.0 — decided here, without the worker.
+                self.counters["in_process"] += 1
+                values[i] = 0.0
             else:
-                jobs.append((i, gold, pred))
+                jobs.append((i, gold, region))
         if jobs:
-            outcomes = self._pool.run([(g, p) for _, g, p in jobs], self.timeout_s)
+            outcomes = self._pool.run([(g, r, self.literal_numbers) for _, g, r in jobs], self.timeout_s)
             self.counters["pooled"] += len(jobs)
             for (i, _, _), (outcome, _detail) in zip(jobs, outcomes):
                 if outcome in ("correct", "wrong"):

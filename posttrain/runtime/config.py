@@ -413,8 +413,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"{path}: recipe file does not exist")
+    if not path.is_file():  # a FIFO or device is refused here too, before read_text could block on it
+        raise RecipeError(f"{path}: recipe file does not exist" if not path.exists()
+                          else f"{path}: is not a regular file; expected a recipe YAML file")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
