@@ -177,6 +177,11 @@ def evaluate_humaneval(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     `batch_size` is rows per generate call (sampled: batch_size // samples prompts of `samples` rows).
     Each greedy batch is timed in `phase()` when given. Sampling is seeded (`seed`): same checkpoint,
     same numbers."""
+    if samples > 0:
+        if temperature <= 0:
+            raise ValueError(f"evaluate_humaneval: temperature must be > 0 for sampled pass@k, got {temperature}")
+        if not ks or any(not 1 <= k <= samples for k in ks):
+            raise ValueError(f"evaluate_humaneval: every k must be in [1, samples={samples}], got {list(ks)}")
     problems = load_humaneval(limit)
     fmt = resolve_format(tokenizer, prompt_format)
     stops = CHAT_STOPS if fmt == "chat" else CODEX_STOPS
@@ -188,10 +193,6 @@ def evaluate_humaneval(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
         out = records_of(judge(problems, [[t] for t in texts], fmt, pool=pool), (1,), stage=stage,
                          checkpoint=checkpoint, eval_name="humaneval")
         if samples > 0:
-            if temperature <= 0:
-                raise ValueError(f"evaluate_humaneval: temperature must be > 0 for sampled pass@k, got {temperature}")
-            if not ks or any(not 1 <= k <= samples for k in ks):
-                raise ValueError(f"evaluate_humaneval: every k must be in [1, samples={samples}], got {list(ks)}")
             sampled = _sample(model, tokenizer, prompts, samples, temperature, max_new_tokens, batch_size, stops, seed)
             out += records_of(judge(problems, sampled, fmt, pool=pool), ks, stage=stage, checkpoint=checkpoint,
                               eval_name=f"humaneval@T{temperature:g}")
