@@ -157,5 +157,22 @@ def phases(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
         raise typer.Exit(2) from None
 
 
+@app.command()
+def chat(
+    checkpoint: Annotated[Path, typer.Argument(help="an HF chat-model folder (ours or any other)")],
+    system: Annotated[str | None, typer.Option(help="system prompt (default: the template's own, if any)")] = None,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy")] = 0.7,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="longest reply, in tokens")] = 256,
+    seed: Annotated[int | None, typer.Option(help="sampling seed (default: unseeded)")] = None,
+) -> None:
+    """Talk to CHECKPOINT in the terminal with its own chat template (/reset, /exit; end of input ends it)."""
+    _quiet_libraries()
+    from posttrain.chat import chat_loop, open_session
+
+    session = _guard(lambda: open_session(checkpoint, system=system, temperature=temperature,
+                                          max_new_tokens=max_new_tokens, seed=seed))
+    chat_loop(session, console)
+
+
 if __name__ == "__main__":
     app()

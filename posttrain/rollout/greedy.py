@@ -19,8 +19,9 @@ PhaseFn = Callable[[], AbstractContextManager[Any]]  # opens the phase a generat
 
 @torch.no_grad()
 def greedy(model: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list[list[int]], max_new: int, batch: int,
-           phase: PhaseFn | None = None):
-    """Greedy completions (texts, finish reasons) through the native rollout engine.
+           phase: PhaseFn | None = None, stop: tuple[str, ...] = ()):
+    """Greedy completions (texts, finish reasons) through the native rollout engine; a row also ends at
+    any of the `stop` strings (kept in its text, which ends there).
 
     With `phase`, each batch is timed in the phase it opens, costed as a padded batch decode (rows that
     finish early are counted to the longest row: an upper bound on the work)."""
@@ -30,7 +31,7 @@ def greedy(model: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list[l
     model.eval()
     for i in range(0, len(prompts), batch):
         with phase() if phase else nullcontext() as p:
-            r = engine.generate(prompts[i : i + batch], SamplingParams(temperature=0.0, max_new_tokens=max_new))
+            r = engine.generate(prompts[i : i + batch], SamplingParams(temperature=0.0, max_new_tokens=max_new, stop=stop))
             if p is not None:
                 p.cost = costs.decode(model.config, batch=len(r), prompt_len=r.prompt_ids.shape[1],
                                       new_tokens=max(1, r.completion_ids.shape[1]))
