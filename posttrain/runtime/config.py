@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from posttrain.rewards.registry import VerifierName
+
 
 class RecipeError(ValueError):
     """A recipe that cannot run: the message names the file, the key and what was expected."""
@@ -301,8 +303,6 @@ class EvalSpec(Strict):
         if self.path is not None and self.verifier is None:
             raise ValueError("`verifier` (e.g. math) is required with `path`: it judges each reply")
         if self.verifier is not None:
-            from posttrain.rewards.combine import VerifierName
-
             known = [v.value for v in VerifierName]
             if self.verifier not in known:
                 raise ValueError(f"unknown verifier {self.verifier!r}; expected one of {known}")
