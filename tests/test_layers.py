@@ -4,10 +4,10 @@ pyproject.toml) keeps them, every package is in a layer, and no library module i
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import grimp
+import pytest
 
 import posttrain
 
@@ -16,6 +16,7 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
 def _contracts() -> list[dict]:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
 
 

@@ -4,9 +4,12 @@
     rollout = engine.generate(prompts, SamplingParams(n=8, temperature=1.0, max_new_tokens=64))
     engine.update_weights(model)   # after each policy update (no copy when the module is shared)
 
-Modules: `sampling` (SamplingParams, the sampler), `output` (Rollout), `text` (prompts, stop strings),
-`kv_cache` (pre-allocated cache), `fused` (lean Llama-family forward), `native` (decode loop),
-`hf` (transformers generate, the reference), `vllm_backend` (GPU only, untested here), `engine`.
+A stage sees only the `RolloutEngine` protocol: `generate`, `update_weights`, `pad_id`, `eos_ids`,
+`decode_cost`. Modules: `sampling` (SamplingParams, the sampler), `output` (Rollout), `text` (prompts,
+stop strings), `kv_cache` (pre-allocated cache), `native` (decode loop; `HFForward`, the plain PyTorch
+step), `cpu/` (the CPU decode accelerators behind one entry point: the fused Llama-family decoder, its
+matmul forms, tuner and C kernels), `hf` (transformers generate, the reference), `vllm_backend` (GPU
+only, untested here), `engine` (the protocol and `make_engine`), `greedy` (timed greedy completions).
 """
 
 from posttrain.rollout.engine import Backend, RolloutEngine, make_engine
