@@ -12,7 +12,7 @@ from posttrain.rollout import HFEngine, NativeEngine, SamplingParams
 from posttrain.rollout.cpu import ckernels
 from posttrain.rollout.cpu.fused import FusedDecoder, pair_halves
 from posttrain.rollout.kv_cache import KVCache
-from posttrain.rollout.cpu.projections import PROJECTION_KINDS, make_projection, projection_kind
+from posttrain.rollout.cpu.projections import FORMS, PROJECTION_KINDS, make_projection, projection_kind
 from posttrain.rollout.cpu.tuning import candidates as tuning_candidates
 
 
@@ -40,12 +40,13 @@ def test_pair_halves_puts_each_rotary_pair_side_by_side():
                                          ("mv", torch.float32), ("mv", torch.bfloat16), ("c", torch.float32),
                                          ("c", torch.bfloat16)])
 def test_every_projection_kind_computes_the_linear_product(kind, dtype):
-    if kind == "c" and ckernels.gemm_library(dtype) is None:
-        pytest.skip("this CPU lacks the c form's vector code; tests/test_rollout_ckernels.py covers its C loops")
+    rows = 1 if kind == "mv" else 5
+    if not FORMS[kind].available(dtype, rows):
+        pytest.skip(f"this CPU cannot run the {kind} form on {dtype} weights (the c form's C loops: "
+                    "tests/test_rollout_cpu_ckernels.py; oneDNN's bf16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 48, generator=g).to(dtype)                    # (out, in), HF's layout
     b = torch.randn(40, generator=g).to(dtype)
-    rows = 1 if kind == "mv" else 5
     x = torch.randn(rows, 48, generator=g).to(dtype)
     ref = x.double() @ w.double().T + b.double()                      # the same bf16 values, exact products
     p = make_projection(w, b, kind, rows)
@@ -103,8 +104,8 @@ def test_projection_kind_picks_packing_only_for_large_cpu_weights():
 def test_decode_plan_equals_the_many_token_forward(tok, arch, preset, dtype, kind, rows, decode_ops):
     """Prefill 5 tokens, then one token by the plan vs the same token by `FusedDecoder.__call__` (q = 1),
     with the step's non-matmul work as PyTorch ops, as the C kernels, and as their plain-C loops."""
-    if kind == "c" and ckernels.gemm_library(dtype) is None:
-        pytest.skip("this CPU lacks the c form's vector code")
+    if not FORMS[kind].available(dtype, rows):
+        pytest.skip(f"this CPU cannot run the {kind} form on {dtype} weights")
     model = build_tiny(preset, vocab_size=len(tok), arch=arch, seed=0).eval().to(dtype)
     dec = FusedDecoder(model, matmul=kind, compute=dtype, decode_ops=decode_ops)  # bf16 arithmetic, not widened
     dec.prepare(16, torch.device("cpu"))

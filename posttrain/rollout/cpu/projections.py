@@ -9,6 +9,8 @@ picks the arithmetic dtype for small bf16/fp16 weights on a CPU (`fused.py`'s de
 
 from __future__ import annotations
 
+import functools
+
 from typing import ClassVar
 
 import torch
@@ -56,7 +58,7 @@ def projection_kind(dtype: torch.dtype, rows: int, device: torch.device, weight_
     if dtype == torch.bfloat16:
         if rows == 1 and large:
             return "mv"
-        return "dnn" if _HAS_DNN_PACK else "mm"
+        return "dnn" if _dnn_packs(dtype) else "mm"
     return "mm"
 
 
@@ -175,7 +177,7 @@ class DNNPacked(MatmulForm):
 
     @classmethod
     def available(cls, dtype: torch.dtype, rows: int) -> bool:
-        return dtype in (torch.float32, torch.bfloat16) and _HAS_DNN_PACK
+        return dtype in (torch.float32, torch.bfloat16) and _dnn_packs(dtype)
 
     @classmethod
     def reuses(cls, built_rows: int, rows: int) -> bool:
@@ -183,6 +185,20 @@ class DNNPacked(MatmulForm):
 
     def __call__(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
+
+
+@functools.cache
+def _dnn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU. Its bf16 path needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT and raises elsewhere (an AVX2-only AMD EPYC, say), so it is probed once, on a
+    16 × 16 weight, rather than assumed from the torch build."""
+    if not _HAS_DNN_PACK:
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class MV(MatmulForm):
