@@ -89,16 +89,25 @@ def _row(name: str, seconds: float, bound: str) -> PhaseRow:
 
 
 def test_character_rules():
-    # rollout + update → "generate + update"; the detail names the longest rollout phase: generate
-    # 3 of 4 s = 75%, update 1 of 4 s = 25% (eval is left out of the shares).
+    # generate + update → an RL stage; the detail names the two longest phases: generate 3 of 4 s = 75%,
+    # update 1 of 4 s = 25% (eval is measurement: left out of the tag and the shares, however long).
     c = character([_row("generate", 3.0, "overhead"), _row("update", 1.0, "compute"), _row("eval", 9.0, "unknown")])
     assert c.tag == "generate + update" and c.kind == "rl"
-    assert c.detail == "generate overhead-bound (75% of the time) · update compute-bound (25% of the time)"
-    # no rollout: the verdict of the longest phase with a verdict (sync 2 s memory beats update 1 s)
+    assert c.detail == ("generate overhead-bound (75% of the training time) · "
+                        "update compute-bound (25% of the training time)")
+    # GRPO/PPO: every phase it ran, in loop order, whatever order they were timed in
+    c = character([_row("update", 1.0, "compute"), _row("sync", 0.1, "memory"), _row("reference", 0.5, "compute"),
+                   _row("score", 0.2, "unknown"), _row("generate", 3.0, "overhead")])
+    assert (c.tag, c.kind) == ("generate + score + reference + update + sync", "rl")
+    # DPO: reference + update, no generate → not RL; the verdict of the longest phase (update 3 s)
+    c = character([_row("reference", 1.0, "compute"), _row("update", 3.0, "compute"), _row("eval", 30.0, "unknown")])
+    assert (c.tag, c.kind) == ("reference + update · compute-bound", "compute")
+    # no generate: the verdict of the longest phase with a verdict (sync 2 s memory beats update 1 s)
     c = character([_row("update", 1.0, "compute"), _row("sync", 2.0, "memory"), _row("eval", 5.0, "unknown")])
-    assert (c.tag, c.kind) == ("memory-bound", "memory")
-    # nothing with a verdict (no cost declared / no peak)
-    assert character([_row("update", 1.0, "unknown")]).tag == "unmeasured"
+    assert (c.tag, c.kind) == ("update + sync · memory-bound", "memory")
+    # nothing with a verdict (no cost declared / no peak); only eval → nothing trained
+    assert character([_row("update", 1.0, "unknown")]).tag == "update · unmeasured"
+    assert character([_row("eval", 1.0, "overhead")]).tag == "unmeasured"
 
 
 def test_downsample_keeps_extremes_and_bounds_points():
@@ -122,8 +131,10 @@ def test_summaries_of_synthetic_run(tmp_path):
     by = {s.info.name: s for s in summarize(run)}
     assert list(by) == ["pretrain", "sft", "grpo"]
     # pretrain update: 20e9 FLOP / 0.4 s = 50 GFLOP/s at 40 FLOP/B ≥ ridge 8 → efficiency 50/80 = 0.625 → compute
-    assert by["pretrain"].character.tag == "compute-bound"
-    assert by["grpo"].character.tag == "generate + update"
+    assert by["pretrain"].character.tag == "update · compute-bound"
+    assert by["grpo"].character.tag == "generate + score + reference + update"
+    # the one 1 s eval after 12 updates of ≈0.4 s: 1 / (≈4.8 + 1) ≈ 17% of the stage's phase time, apart
+    assert 0.15 < by["pretrain"].eval_share < 0.19
     upd = next(r for r in by["pretrain"].phases if r.name == "update")
     assert upd.intensity == pytest.approx(40.0)   # 20e9 / 0.5e9
     assert upd.occurrences == 12
@@ -150,10 +161,11 @@ def test_rl_iteration_projection_equals_gap(tmp_path):
 def test_report_sections_rl_and_plain(tmp_path):
     page = write_report(synthetic_run(tmp_path / "rl")).read_text()
     for needle in ('id="pipeline"', 'id="rl"', 'id="roofline"', 'id="evals"', 'id="doctor"', 'data-fig="timeline-0"',
-                   'id="ratio-0"', "generate + update"):
+                   'id="ratio-0"', "generate + score + reference + update", 'id="memory"'):
         assert needle in page, needle
     plain = write_report(synthetic_run(tmp_path / "plain", rl=False)).read_text()
-    assert 'id="rl"' not in plain and "timeline-0" not in plain and "ratio-0" not in plain
+    assert "timeline-0" not in plain and "ratio-0" not in plain
+    assert '<section id="rl" class="none">' in plain and "This run has no RL stage" in plain  # said, not drawn
     assert 'id="roofline"' in plain
     assert "<script src" not in plain and "<link" not in plain   # self-contained: nothing fetched
 
@@ -210,7 +222,7 @@ def test_terminal_summary(tmp_path):
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(summary_renderable(synthetic_run(tmp_path / "r")))
     text = console.export_text()
-    assert "generate + update" in text and "compute-bound" in text
+    assert "generate + score + reference + update" in text and "update · compute-bound" in text
     assert "grpo cycle: rollout:update" in text and "measured over 12 steps" in text
     # evals table: base 0.0% → grpo 70.0% exact match on L1 (synthetic accuracies 0, 0.1, 0.4, 0.7)
     assert "0.0%" in text and "70.0%" in text

@@ -42,6 +42,16 @@ class HFEngine:
         elif model_or_state_dict is not self.model:
             self.model.load_state_dict(model_or_state_dict.state_dict())
 
+    def sync_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> int:
+        """`update_weights`; the bytes loaded (0 for the shared module: `generate` reads it directly)."""
+        if isinstance(model_or_state_dict, dict):
+            moved = sum(t.nbytes for t in model_or_state_dict.values())
+        else:
+            moved = 0 if model_or_state_dict is self.model else sum(
+                t.nbytes for t in model_or_state_dict.state_dict().values())
+        self.update_weights(model_or_state_dict)
+        return moved
+
     def _kwargs(self, params: SamplingParams) -> dict:
         kw: dict = {"max_new_tokens": params.max_new_tokens, "num_return_sequences": params.n,
                     "eos_token_id": self.eos_ids, "pad_token_id": self.pad_id, "output_logits": True,

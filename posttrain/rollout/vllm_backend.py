@@ -88,6 +88,12 @@ class VLLMEngine:
             self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
         self.llm.reset_prefix_cache()
 
+    def sync_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> int:
+        """`update_weights` (already eager); the bytes of the weights pushed."""
+        sd = model_or_state_dict if isinstance(model_or_state_dict, dict) else model_or_state_dict.state_dict()
+        self.update_weights(sd)
+        return sum(t.nbytes for t in sd.values())
+
     def _sampling_params(self, params: SamplingParams) -> Any:
         import vllm
 
