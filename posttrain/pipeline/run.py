@@ -192,7 +192,8 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
     tc = recipe.telemetry
     telemetry = Telemetry.open(run_dir, device=device, dtype=torch.bfloat16 if recipe.dtype == "bf16" else torch.float32,
                                peak_flops=tc.peak_flops, peak_bytes_per_s=tc.peak_bytes_per_s,
-                               measure_cpu=tc.measure_cpu, busy_hz=tc.busy_hz, started=t0)
+                               measure_cpu=tc.measure_cpu, busy_hz=tc.busy_hz, started=t0,
+                               on_revision=lambda r: console.print(f"[yellow]roof revised: {r.sentence()}[/yellow]"))
     sink = JsonlSink(run_dir / "metrics.jsonl")
     evals_path = run_dir / "evals.jsonl"
 

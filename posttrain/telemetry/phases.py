@@ -155,7 +155,8 @@ class Telemetry:
         if timing not in ("sync", "events"):
             raise ValueError(f"Telemetry: timing={timing!r}; expected 'sync' or 'events'")
         self.peaks, self.dtype, self.run_dir = copy.deepcopy(peaks), dtype, run_dir  # a revision lifts our copy
-        self.sampler, self._sync = sampler, sync
+        self.sampler = sampler
+        self._sync = sync if timing == "sync" else (lambda: None)  # events: no device sync at the boundaries
         self.started = time.perf_counter() if started is None else started
         self.overhead_below, self.enabled = overhead_below, enabled
         self.memory = PhaseMemory(memory) if memory is not None and enabled else None
