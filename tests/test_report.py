@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from posttrain.report import ReportError, character, downsample, load_run, rl_iteration, summarize, write_report
-from posttrain.report.summaries import PhaseRow, eval_table
+from posttrain.report.summaries import PhaseRow, eval_table, rl_iterations
 from posttrain.telemetry.gap import gap
 
 # CPU roofs of the synthetic device: 80 GFLOP/s fp32, 10 GB/s → ridge point 8 FLOP/B.
@@ -31,11 +31,17 @@ RL_STEP = (("generate", 1.2, 0.6e9, 1.0e9, 0.92), ("score", 0.05, 0.0, 0.0, 0.90
            ("reference", 0.08, 2.4e9, 0.12e9, 0.95), ("update", 0.25, 7.2e9, 0.2e9, 0.97))
 
 
-def synthetic_run(root: Path, *, steps: int = 12, rl: bool = True, seed: int = 0, nan_at: int | None = None) -> Path:
-    """Write a run folder with pretrain, SFT and (if `rl`) GRPO stages of `steps` steps each."""
+# One DPO step: a reference forward and an update, both compute-bound (40 and 30 GFLOP/s at 20 and 30
+# FLOP/B), and no generation; its stage ends with a 5 s eval — most of its phase time (5 / (12·0.4 + 5) = 51%).
+DPO_STEP = (("reference", 0.1, 4e9, 0.2e9, 0.95), ("update", 0.3, 9e9, 0.3e9, 0.96))
+
+
+def synthetic_run(root: Path, *, steps: int = 12, rl: bool = True, seed: int = 0, nan_at: int | None = None,
+                  dpo: bool = False) -> Path:
+    """Write a run folder with pretrain, SFT, (if `dpo`) DPO and (if `rl`) GRPO stages of `steps` steps each."""
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
-    kinds = ["pretrain", "sft"] + (["grpo"] if rl else [])
+    kinds = ["pretrain", "sft"] + (["dpo"] if dpo else []) + (["grpo"] if rl else [])
     (root / "recipe.yaml").write_text(yaml.safe_dump({
         "name": "synthetic", "model": {"init": "tiny-1m"},
         "stages": [{"stage": k, "name": None, "steps": steps} for k in kinds]}, sort_keys=False))
@@ -62,8 +68,8 @@ def synthetic_run(root: Path, *, steps: int = 12, rl: bool = True, seed: int = 0
     eval_rows("base", 0.0)
     for k, kind in enumerate(kinds):
         for step in range(1, steps + 1):
-            if kind == "grpo":
-                for name, sec, f, y, b in RL_STEP:
+            if kind in ("grpo", "dpo"):
+                for name, sec, f, y, b in RL_STEP if kind == "grpo" else DPO_STEP:
                     phase(kind, step, name, sec * rng.uniform(0.9, 1.1), f, y, b)
             else:
                 phase(kind, step, "update", 0.4 * rng.uniform(0.9, 1.1), 20e9, 0.5e9, 0.95)  # 50 GFLOP/s: compute
@@ -75,8 +81,8 @@ def synthetic_run(root: Path, *, steps: int = 12, rl: bool = True, seed: int = 0
             if kind == "grpo":
                 m.update({"reward/gold": 0.2 + 0.5 * step / steps, "kl": 0.001 * step, "entropy": 1.5 - step / steps})
             metrics.append(m)
-        phase(kind, steps, "eval", 1.0, 0.0, 0.0, 0.5)
-        eval_rows(kind, [0.1, 0.4, 0.7][k])
+        phase(kind, steps, "eval", 5.0 if kind == "dpo" else 1.0, 0.0, 0.0, 0.5)
+        eval_rows(kind, [0.1, 0.4, 0.55, 0.7][k] if dpo else [0.1, 0.4, 0.7][k])
     for name, rows in (("phases.jsonl", phases), ("metrics.jsonl", metrics), ("evals.jsonl", evals)):
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
@@ -156,6 +162,29 @@ def test_rl_iteration_projection_equals_gap(tmp_path):
     # and the pooled ratio of the jittered steps sits within ±10% of it.
     assert 5.32 * 0.9 < it.pooled.rollout_update_ratio < 5.32 * 1.1
     assert rl_iteration(run, "sft") is None   # no rollout phase
+
+
+def test_dpo_is_reference_plus_update_not_rl_and_not_eval(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from posttrain.report import summary_renderable
+
+    run = load_run(synthetic_run(tmp_path / "r", dpo=True))
+    by = {s.info.name: s for s in summarize(run)}
+    dpo = by["dpo"]
+    # eval is 5 s of ≈ 9.8 s (51%): the longest phase, yet the character is the training it did
+    assert dpo.eval_share > 0.45 and max(dpo.phases, key=lambda r: r.seconds).name == "eval"
+    assert (dpo.character.tag, dpo.character.kind) == ("reference + update · compute-bound", "compute")
+    assert "generate" not in dpo.character.tag
+    assert rl_iteration(run, "dpo") is None and dpo.gap.projections == []   # no rollout:update ratio
+    assert [it.stage for it in rl_iterations(run)] == ["grpo"]
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(summary_renderable(run.run_dir))
+    text = console.export_text()
+    assert "grpo cycle" in text and "dpo cycle" not in text
+    assert "reference + update · compute-bound (+ eval 5" in text   # eval's share shown apart
 
 
 def test_report_sections_rl_and_plain(tmp_path):
