@@ -160,7 +160,7 @@ def test_dpo_drawn_without_generate_and_rl_section_shows_grpo_only(browser, tmp_
     run_dir = synthetic_run(tmp_path / "dpo", dpo=True)
     page, errors = _open(browser, write_report(run_dir), tmp_path)
     dpo = page.locator(".node[data-panel='panel-2']")
-    assert dpo.locator(".node-kind").inner_text() == "dpo"
+    assert dpo.locator(".node-kind").inner_text().lower() == "dpo"   # (drawn in capitals by the CSS)
     chip = dpo.locator(".chip").inner_text()
     assert chip == "reference + update · compute-bound" and "eval" not in chip
     bar = dpo.locator(".sharebar span").evaluate_all("els => els.map(e => e.title.split(' ')[0])")

@@ -296,9 +296,10 @@ def load_cpu_peaks() -> Peaks | None:
     return None if obj is None else _peaks_from_cache(obj)
 
 
-def _best_rate(fn: Any, work: float, seconds: float, best: float = 0.0) -> float:
+def _best_rate(fn: Any, work: float, seconds: float, best: float = 0.0, warm_up: bool = True) -> float:
     """Best work/s over repeats of fn() for about `seconds` (best, not mean: the roof is a maximum)."""
-    fn()  # warm-up: first call pays allocation and kernel selection (and a descheduled start)
+    if warm_up:
+        fn()  # the first call pays allocation and kernel selection
     deadline = time.perf_counter() + seconds
     while True:
         t = time.perf_counter()
@@ -331,10 +332,10 @@ def measure_cpu_peaks(*, matmul_n: int = 2048, stream_mib: int = 256, seconds_ea
     flops = dict.fromkeys(dtypes, 0.0)
     bandwidth = 0.0
     turn = seconds_each / max(1, rounds)
-    for _ in range(max(1, rounds)):
+    for k in range(max(1, rounds)):
         for d, (a, b) in mats.items():
-            flops[d] = _best_rate(lambda a=a, b=b: torch.matmul(a, b), 2.0 * matmul_n**3, turn, flops[d])
-        bandwidth = _best_rate(lambda: x.sum(), float(x.numel() * 4), turn, bandwidth)
+            flops[d] = _best_rate(lambda a=a, b=b: torch.matmul(a, b), 2.0 * matmul_n**3, turn, flops[d], k == 0)
+        bandwidth = _best_rate(lambda: x.sum(), float(x.numel() * 4), turn, bandwidth, k == 0)
     after = machine_load()
     threads = torch.get_num_threads()
     previous = _read_cache() if save else None
