@@ -255,3 +255,9 @@ def test_terminal_summary(tmp_path):
     assert "grpo cycle: rollout:update" in text and "measured over 12 steps" in text
     # evals table: base 0.0% → grpo 70.0% exact match on L1 (synthetic accuracies 0, 0.1, 0.4, 0.7)
     assert "0.0%" in text and "70.0%" in text
+    # at 80 columns: each stage stacked, nothing cut, nothing past the edge
+    narrow = Console(width=80, record=True, file=io.StringIO())
+    narrow.print(summary_renderable(tmp_path / "r"))
+    text = narrow.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
+    assert "grpo (grpo) · 12 steps" in text and "generate + score + reference + update" in text
