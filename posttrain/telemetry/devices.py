@@ -176,8 +176,10 @@ def detect(device: torch.device | str, dtype: torch.dtype | str = "fp32", *,
     elif device.type == "cpu":
         cached = _read_cache()
         measured = None if cached is None else _peaks_from_cache(cached)
-        if measure_cpu and (cached is None or measured_under_load(cached)):
-            measured = measure_cpu_peaks()  # none cached, or cached under load and the machine is quieter now
+        if measure_cpu and (measured is None or dt not in measured.flops or measured_under_load(cached)):
+            # none cached, not at this dtype, or cached under load and the machine is quieter now: the
+            # run's dtype only (a bf16 matmul on a CPU without bf16 units costs seconds per call)
+            measured = measure_cpu_peaks(dtypes=(dt,) if dt in ("fp32", "bf16", "fp16") else ("fp32",))
         peaks = measured or Peaks(name=cpu_name(), kind="cpu",
                                   source=f"unknown peak: no CPU measurement cached; {HOW_TO_GIVE_PEAKS}")
     else:
@@ -302,13 +304,14 @@ def _best_rate(fn: Any, work: float, seconds: float, best: float = 0.0, warm_up:
     if warm_up:
         fn()  # the first call pays allocation and kernel selection
     deadline = time.perf_counter() + seconds
-    while True:
+    for calls in range(1, 1 << 30):
         t = time.perf_counter()
         fn()
         dt = time.perf_counter() - t
         best = max(best, work / dt)
-        if time.perf_counter() > deadline:
+        if calls >= 2 and time.perf_counter() > deadline:  # two at least: one may be descheduled midway
             return best
+    return best
 
 
 def measure_cpu_peaks(*, matmul_n: int = 2048, stream_mib: int = 256, seconds_each: float = 1.0,
@@ -347,6 +350,7 @@ def measure_cpu_peaks(*, matmul_n: int = 2048, stream_mib: int = 256, seconds_ea
             if old.flops.get(d, 0.0) > flops[d]:
                 flops[d] = old.flops[d]
                 kept.append(f"{d} compute")
+        flops = {**{d: v for d, v in old.flops.items() if d not in flops}, **flops}  # dtypes not measured now
         if (old.bytes_per_s or 0.0) > bandwidth:
             bandwidth = float(old.bytes_per_s)
             kept.append("bandwidth")
