@@ -18,7 +18,7 @@ from posttrain.telemetry.cli import phases_command
 from posttrain.telemetry.costs import Cost
 from posttrain.telemetry.devices import Peaks
 from posttrain.telemetry.phases import PhaseRecord
-from posttrain.telemetry.revision import net, revise
+from posttrain.telemetry.revision import Announcer, net, revise
 
 G = 1e9
 
@@ -109,3 +109,15 @@ def test_cpu_cache_keeps_load_and_observed_lifts(tmp_path, monkeypatch):
     # a re-measurement never lowers a roof: a previous, faster figure is kept and said so
     remeasured = devices.measure_cpu_peaks(matmul_n=128, stream_mib=8, seconds_each=0.06, dtypes=("fp32",), rounds=2)
     assert remeasured.flops["fp32"] >= measured.flops["fp32"]
+
+
+def test_announcer_says_the_first_lift_and_big_rises_only():
+    said: list[str] = []
+    say = Announcer(said.append, factor=1.25)
+    peaks = Peaks(name="x", kind="cpu", flops={"fp32": 100 * G}, bytes_per_s=10 * G)
+    # lifts to 110, 120, 130, 140 GFLOP/s: said at 110 (first), then at ≥ 110 × 1.25 = 137.5 → 140
+    for step, rate in enumerate((110, 120, 130, 140), 1):
+        for r in revise(peaks, "fp32", [_rec(1.0, rate * G, 0.0, step)])[1]:
+            say(r)
+            peaks.flops["fp32"] = r.new
+    assert len(said) == 2 and "to 110 GFLOP/s" in said[0] and "to 140 GFLOP/s" in said[1]

@@ -17,7 +17,7 @@ before it wrote device.json again, is still never shown above 100%).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -101,3 +101,20 @@ def net(revisions: Iterable[Revision]) -> list[Revision]:
 def recorded(device: dict[str, Any] | None) -> list[Revision]:
     """The revisions device.json holds (`revisions`), [] when none."""
     return [Revision.from_json(r) for r in (device or {}).get("revisions") or []]
+
+
+class Announcer:
+    """Says a roof's first revision, then only a rise of `factor` over the last one said: early steps
+    lift a low roof a little at a time, and one line per lift would drown the run's output. The final
+    figures are in device.json, `posttrain phases` and the report either way."""
+
+    def __init__(self, say: Callable[[str], None], factor: float = 1.25) -> None:
+        self.say, self.factor = say, factor
+        self._said: dict[tuple[str, str | None], float] = {}
+
+    def __call__(self, r: Revision) -> None:
+        key = (r.roof, r.dtype)
+        last = self._said.get(key)
+        if last is None or r.new >= last * self.factor:
+            self._said[key] = r.new
+            self.say(f"roof revised: {r.sentence()}")
