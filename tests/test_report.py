@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from posttrain.report import ReportError, character, downsample, load_run, rl_iteration, summarize, write_report
-from posttrain.report.summaries import PhaseRow, eval_table
+from posttrain.report.summaries import PhaseRow, eval_table, rl_iterations
 from posttrain.telemetry.gap import gap
 
 # CPU roofs of the synthetic device: 80 GFLOP/s fp32, 10 GB/s → ridge point 8 FLOP/B.
@@ -31,11 +31,17 @@ RL_STEP = (("generate", 1.2, 0.6e9, 1.0e9, 0.92), ("score", 0.05, 0.0, 0.0, 0.90
            ("reference", 0.08, 2.4e9, 0.12e9, 0.95), ("update", 0.25, 7.2e9, 0.2e9, 0.97))
 
 
-def synthetic_run(root: Path, *, steps: int = 12, rl: bool = True, seed: int = 0, nan_at: int | None = None) -> Path:
-    """Write a run folder with pretrain, SFT and (if `rl`) GRPO stages of `steps` steps each."""
+# One DPO step: a reference forward and an update, both compute-bound (40 and 30 GFLOP/s at 20 and 30
+# FLOP/B), and no generation; its stage ends with a 5 s eval — most of its phase time (5 / (12·0.4 + 5) = 51%).
+DPO_STEP = (("reference", 0.1, 4e9, 0.2e9, 0.95), ("update", 0.3, 9e9, 0.3e9, 0.96))
+
+
+def synthetic_run(root: Path, *, steps: int = 12, rl: bool = True, seed: int = 0, nan_at: int | None = None,
+                  dpo: bool = False) -> Path:
+    """Write a run folder with pretrain, SFT, (if `dpo`) DPO and (if `rl`) GRPO stages of `steps` steps each."""
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
-    kinds = ["pretrain", "sft"] + (["grpo"] if rl else [])
+    kinds = ["pretrain", "sft"] + (["dpo"] if dpo else []) + (["grpo"] if rl else [])
     (root / "recipe.yaml").write_text(yaml.safe_dump({
         "name": "synthetic", "model": {"init": "tiny-1m"},
         "stages": [{"stage": k, "name": None, "steps": steps} for k in kinds]}, sort_keys=False))
@@ -62,8 +68,8 @@ def synthetic_run(root: Path, *, steps: int = 12, rl: bool = True, seed: int = 0
     eval_rows("base", 0.0)
     for k, kind in enumerate(kinds):
         for step in range(1, steps + 1):
-            if kind == "grpo":
-                for name, sec, f, y, b in RL_STEP:
+            if kind in ("grpo", "dpo"):
+                for name, sec, f, y, b in RL_STEP if kind == "grpo" else DPO_STEP:
                     phase(kind, step, name, sec * rng.uniform(0.9, 1.1), f, y, b)
             else:
                 phase(kind, step, "update", 0.4 * rng.uniform(0.9, 1.1), 20e9, 0.5e9, 0.95)  # 50 GFLOP/s: compute
@@ -75,8 +81,8 @@ def synthetic_run(root: Path, *, steps: int = 12, rl: bool = True, seed: int = 0
             if kind == "grpo":
                 m.update({"reward/gold": 0.2 + 0.5 * step / steps, "kl": 0.001 * step, "entropy": 1.5 - step / steps})
             metrics.append(m)
-        phase(kind, steps, "eval", 1.0, 0.0, 0.0, 0.5)
-        eval_rows(kind, [0.1, 0.4, 0.7][k])
+        phase(kind, steps, "eval", 5.0 if kind == "dpo" else 1.0, 0.0, 0.0, 0.5)
+        eval_rows(kind, [0.1, 0.4, 0.55, 0.7][k] if dpo else [0.1, 0.4, 0.7][k])
     for name, rows in (("phases.jsonl", phases), ("metrics.jsonl", metrics), ("evals.jsonl", evals)):
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
@@ -89,16 +95,25 @@ def _row(name: str, seconds: float, bound: str) -> PhaseRow:
 
 
 def test_character_rules():
-    # rollout + update → "generate + update"; the detail names the longest rollout phase: generate
-    # 3 of 4 s = 75%, update 1 of 4 s = 25% (eval is left out of the shares).
+    # generate + update → an RL stage; the detail names the two longest phases: generate 3 of 4 s = 75%,
+    # update 1 of 4 s = 25% (eval is measurement: left out of the tag and the shares, however long).
     c = character([_row("generate", 3.0, "overhead"), _row("update", 1.0, "compute"), _row("eval", 9.0, "unknown")])
     assert c.tag == "generate + update" and c.kind == "rl"
-    assert c.detail == "generate overhead-bound (75% of the time) · update compute-bound (25% of the time)"
-    # no rollout: the verdict of the longest phase with a verdict (sync 2 s memory beats update 1 s)
+    assert c.detail == ("generate overhead-bound (75% of the training time) · "
+                        "update compute-bound (25% of the training time)")
+    # GRPO/PPO: every phase it ran, in loop order, whatever order they were timed in
+    c = character([_row("update", 1.0, "compute"), _row("sync", 0.1, "memory"), _row("reference", 0.5, "compute"),
+                   _row("score", 0.2, "unknown"), _row("generate", 3.0, "overhead")])
+    assert (c.tag, c.kind) == ("generate + score + reference + update + sync", "rl")
+    # DPO: reference + update, no generate → not RL; the verdict of the longest phase (update 3 s)
+    c = character([_row("reference", 1.0, "compute"), _row("update", 3.0, "compute"), _row("eval", 30.0, "unknown")])
+    assert (c.tag, c.kind) == ("reference + update · compute-bound", "compute")
+    # no generate: the verdict of the longest phase with a verdict (sync 2 s memory beats update 1 s)
     c = character([_row("update", 1.0, "compute"), _row("sync", 2.0, "memory"), _row("eval", 5.0, "unknown")])
-    assert (c.tag, c.kind) == ("memory-bound", "memory")
-    # nothing with a verdict (no cost declared / no peak)
-    assert character([_row("update", 1.0, "unknown")]).tag == "unmeasured"
+    assert (c.tag, c.kind) == ("update + sync · memory-bound", "memory")
+    # nothing with a verdict (no cost declared / no peak); only eval → nothing trained
+    assert character([_row("update", 1.0, "unknown")]).tag == "update · unmeasured"
+    assert character([_row("eval", 1.0, "overhead")]).tag == "unmeasured"
 
 
 def test_downsample_keeps_extremes_and_bounds_points():
@@ -122,8 +137,10 @@ def test_summaries_of_synthetic_run(tmp_path):
     by = {s.info.name: s for s in summarize(run)}
     assert list(by) == ["pretrain", "sft", "grpo"]
     # pretrain update: 20e9 FLOP / 0.4 s = 50 GFLOP/s at 40 FLOP/B ≥ ridge 8 → efficiency 50/80 = 0.625 → compute
-    assert by["pretrain"].character.tag == "compute-bound"
-    assert by["grpo"].character.tag == "generate + update"
+    assert by["pretrain"].character.tag == "update · compute-bound"
+    assert by["grpo"].character.tag == "generate + score + reference + update"
+    # the one 1 s eval after 12 updates of ≈0.4 s: 1 / (≈4.8 + 1) ≈ 17% of the stage's phase time, apart
+    assert 0.15 < by["pretrain"].eval_share < 0.19
     upd = next(r for r in by["pretrain"].phases if r.name == "update")
     assert upd.intensity == pytest.approx(40.0)   # 20e9 / 0.5e9
     assert upd.occurrences == 12
@@ -147,13 +164,37 @@ def test_rl_iteration_projection_equals_gap(tmp_path):
     assert rl_iteration(run, "sft") is None   # no rollout phase
 
 
+def test_dpo_is_reference_plus_update_not_rl_and_not_eval(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from posttrain.report import summary_renderable
+
+    run = load_run(synthetic_run(tmp_path / "r", dpo=True))
+    by = {s.info.name: s for s in summarize(run)}
+    dpo = by["dpo"]
+    # eval is 5 s of ≈ 9.8 s (51%): the longest phase, yet the character is the training it did
+    assert dpo.eval_share > 0.45 and max(dpo.phases, key=lambda r: r.seconds).name == "eval"
+    assert (dpo.character.tag, dpo.character.kind) == ("reference + update · compute-bound", "compute")
+    assert "generate" not in dpo.character.tag
+    assert rl_iteration(run, "dpo") is None and dpo.gap.projections == []   # no rollout:update ratio
+    assert [it.stage for it in rl_iterations(run)] == ["grpo"]
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(summary_renderable(run.run_dir))
+    text = console.export_text()
+    assert "grpo cycle" in text and "dpo cycle" not in text
+    assert "reference + update · compute-bound (+ eval 5" in text   # eval's share shown apart
+
+
 def test_report_sections_rl_and_plain(tmp_path):
     page = write_report(synthetic_run(tmp_path / "rl")).read_text()
     for needle in ('id="pipeline"', 'id="rl"', 'id="roofline"', 'id="evals"', 'id="doctor"', 'data-fig="timeline-0"',
-                   'id="ratio-0"', "generate + update"):
+                   'id="ratio-0"', "generate + score + reference + update", 'id="memory"'):
         assert needle in page, needle
     plain = write_report(synthetic_run(tmp_path / "plain", rl=False)).read_text()
-    assert 'id="rl"' not in plain and "timeline-0" not in plain and "ratio-0" not in plain
+    assert "timeline-0" not in plain and "ratio-0" not in plain
+    assert '<section id="rl" class="none">' in plain and "This run has no RL stage" in plain  # said, not drawn
     assert 'id="roofline"' in plain
     assert "<script src" not in plain and "<link" not in plain   # self-contained: nothing fetched
 
@@ -210,7 +251,13 @@ def test_terminal_summary(tmp_path):
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(summary_renderable(synthetic_run(tmp_path / "r")))
     text = console.export_text()
-    assert "generate + update" in text and "compute-bound" in text
+    assert "generate + score + reference + update" in text and "update · compute-bound" in text
     assert "grpo cycle: rollout:update" in text and "measured over 12 steps" in text
     # evals table: base 0.0% → grpo 70.0% exact match on L1 (synthetic accuracies 0, 0.1, 0.4, 0.7)
     assert "0.0%" in text and "70.0%" in text
+    # at 80 columns: each stage stacked, nothing cut, nothing past the edge
+    narrow = Console(width=80, record=True, file=io.StringIO())
+    narrow.print(summary_renderable(tmp_path / "r"))
+    text = narrow.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
+    assert "grpo (grpo) · 12 steps" in text and "generate + score + reference + update" in text

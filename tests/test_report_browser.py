@@ -89,10 +89,10 @@ def test_sft_run_report_in_browser(browser, sft_run, tmp_path):
     page, errors = _open(browser, report, tmp_path)
     drawn = _charts_drawn(page)
     ids = [i for i, _ in drawn]
-    assert "roofline-fig" in ids and "evals-fig" in ids
+    assert "roofline-fig" in ids and "evals-fig" in ids and "memory-fig" in ids   # memory measured per phase
     assert all(n > 0 for _, n in drawn), drawn                   # every chart drawn, with at least one trace
-    assert page.locator("#rl").count() == 0                      # no RL stage → no RL section, no slider
-    assert page.locator("input.ratio").count() == 0
+    assert "This run has no RL stage" in page.locator("#rl").inner_text()   # said, and nothing drawn
+    assert page.locator("input.ratio").count() == 0 and page.locator("#rl .chart").count() == 0
     # pipeline: base → pretrain → sft
     assert page.locator(".node .node-name").all_inner_texts() == ["tiny-1m", "pretrain", "sft"]
     page.locator(".node[data-panel='panel-0']").click()           # click pretrain
@@ -151,8 +151,23 @@ def test_rl_report_slider_in_browser(browser, tmp_path):
     assert u1 == pytest.approx(nominal, rel=0.1)
     page.locator(".node[data-panel='panel-2']").click()
     page.wait_for_selector("#panel-2 .chart[data-rendered='1'] svg.main-svg", timeout=10_000)
-    assert page.locator("#panel-2 .chip").first.inner_text() == "generate + update"
+    assert page.locator("#panel-2 .chip").first.inner_text() == "generate + score + reference + update"
     page.screenshot(path=str(tmp_path / "report-rl.png"), full_page=True)
+    assert errors == []
+
+
+def test_dpo_drawn_without_generate_and_rl_section_shows_grpo_only(browser, tmp_path):
+    run_dir = synthetic_run(tmp_path / "dpo", dpo=True)
+    page, errors = _open(browser, write_report(run_dir), tmp_path)
+    dpo = page.locator(".node[data-panel='panel-2']")
+    assert dpo.locator(".node-kind").inner_text().lower() == "dpo"   # (drawn in capitals by the CSS)
+    chip = dpo.locator(".chip").inner_text()
+    assert chip == "reference + update · compute-bound" and "eval" not in chip
+    bar = dpo.locator(".sharebar span").evaluate_all("els => els.map(e => e.title.split(' ')[0])")
+    assert "generate" not in bar and {"reference", "update"} <= set(bar)   # DPO's strip: no generate segment
+    assert page.locator("#rl .rl").count() == 1                             # one RL block …
+    assert page.locator("#rl .rl h3").inner_text() == "grpo"                # … for GRPO, not DPO
+    page.screenshot(path=str(tmp_path / "report-dpo.png"), full_page=True)
     assert errors == []
 
 

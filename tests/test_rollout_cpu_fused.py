@@ -9,7 +9,6 @@ import torch
 
 from posttrain.models import build_tiny, train_tokenizer
 from posttrain.rollout import HFEngine, NativeEngine, SamplingParams
-from posttrain.rollout.cpu import ckernels
 from posttrain.rollout.cpu.fused import FusedDecoder, pair_halves
 from posttrain.rollout.kv_cache import KVCache
 from posttrain.rollout.cpu.projections import FORMS, PROJECTION_KINDS, make_projection, projection_kind

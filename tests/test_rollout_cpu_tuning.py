@@ -63,6 +63,25 @@ def test_a_choice_cached_by_an_older_measure_is_measured_again(weights, monkeypa
     assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == "dnn" and len(calls) == 1  # now current: kept
 
 
+def test_a_choice_made_under_load_is_measured_again_when_quieter(weights, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(tuning, "measure", fake_measure({"mm": 3.0, "mkl": 2.0, "dnn": 1.0}, calls))
+    load = {"load_per_core": 3.0}                                     # measured at 3 runnable jobs per core
+    monkeypatch.setattr(tuning, "machine_load", lambda: dict(load))
+    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == "dnn" and len(calls) == 1
+    key = tuning._key(weights, torch.float32, 8)
+    assert json.loads(tuning.cache_file().read_text())[key]["load_per_core"] == 3.0
+    load["load_per_core"] = 2.8                                       # as busy (within 0.5 per core): kept
+    monkeypatch.setattr(tuning, "_memo", {})
+    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == "dnn" and len(calls) == 1
+    load["load_per_core"] = 0.1                                       # quiet now: measured again, load updated
+    monkeypatch.setattr(tuning, "_memo", {})
+    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == "dnn" and len(calls) == 2
+    assert json.loads(tuning.cache_file().read_text())[key]["load_per_core"] == 0.1
+    monkeypatch.setattr(tuning, "_memo", {})                          # measured quiet: never again
+    assert tuning.tuned_kind(weights, torch.float32, 8, CPU) == "dnn" and len(calls) == 2
+
+
 def test_forms_take_turns_over_the_rounds(weights, monkeypatch):
     built: list[str] = []
     real = tuning.make_projection

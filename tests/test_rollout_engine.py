@@ -17,7 +17,7 @@ from posttrain.rollout.vllm_backend import VLLMEngine
 from posttrain.runtime.config import Recipe
 from posttrain.telemetry import costs
 
-PROTOCOL_METHODS = ("generate", "update_weights", "decode_cost")
+PROTOCOL_METHODS = ("generate", "update_weights", "sync_weights", "decode_cost")
 PROTOCOL_FIELDS = ("name", "pad_id", "eos_ids")
 
 

@@ -36,18 +36,21 @@ def _open(tmp_path, busy: float | None = 0.9) -> Telemetry:
 
 def test_device_json_and_record_format(tmp_path):
     tele = _open(tmp_path)
-    with tele.phase("update", stage="sft", step=1, cost=Cost(2e9, 1e8)):
+    with tele.phase("update", stage="sft", step=1, cost=Cost(2e8, 1e7)):  # ≤ 20 GFLOP/s, 1 GB/s: under both roofs
         time.sleep(0.01)
     tele.close()
     device = json.loads((tmp_path / "device.json").read_text())
     assert device == {"name": "synthetic", "kind": "cpu", "peaks": {"flops": {"fp32": 100e9}, "bytes_per_s": 10e9},
-                      "source": "test", "dtype": "fp32"}
+                      "source": "test", "dtype": "fp32", "timing": "sync", "memory": device["memory"]}
+    assert device["memory"] in ("rss", "rss-sampled")
     lines = (tmp_path / "phases.jsonl").read_text().splitlines()
     assert len(lines) == 1
     obj = json.loads(lines[0])
-    assert set(obj) == {"stage", "step", "name", "start", "seconds", "flops", "bytes", "busy", "parent"}
+    assert set(obj) == {"stage", "step", "name", "start", "seconds", "flops", "bytes", "busy", "parent",
+                        "mem_peak", "mem_start"}
     assert (obj["stage"], obj["step"], obj["name"], obj["flops"], obj["bytes"], obj["parent"]) == (
-        "sft", 1, "update", 2e9, 1e8, None)
+        "sft", 1, "update", 2e8, 1e7, None)
+    assert obj["mem_peak"] >= obj["mem_start"] > 0
     assert 0.01 <= obj["seconds"] < 0.5 and obj["start"] >= 0
 
 

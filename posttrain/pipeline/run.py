@@ -39,6 +39,7 @@ from posttrain.stages.ppo import run_ppo
 from posttrain.stages.grpo import run_grpo
 from posttrain.stages.rejection_sampling import produced_paths, run_rejection_sampling
 from posttrain.telemetry import JsonlSink, Telemetry
+from posttrain.telemetry.revision import Announcer
 
 STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft": run_sft, "grpo": run_grpo,
                                                  "rejection_sampling": run_rejection_sampling,
@@ -226,7 +227,8 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
     tc = recipe.telemetry
     telemetry = Telemetry.open(run_dir, device=device, dtype=torch.bfloat16 if recipe.dtype == "bf16" else torch.float32,
                                peak_flops=tc.peak_flops, peak_bytes_per_s=tc.peak_bytes_per_s,
-                               measure_cpu=tc.measure_cpu, busy_hz=tc.busy_hz, started=t0)
+                               measure_cpu=tc.measure_cpu, busy_hz=tc.busy_hz, started=t0,
+                               on_revision=Announcer(lambda line: console.print(f"[yellow]{line}[/yellow]")))
     sink = JsonlSink(run_dir / "metrics.jsonl")
     evals_path = run_dir / "evals.jsonl"
 

@@ -142,11 +142,24 @@ def timeline_figure(it: RLIteration) -> Figure:
         data.append({"type": "scatter", "mode": "lines", "x": [0, end], "y": [100 * it.cycle.efficiency] * 2,
                      "name": f"cycle average achieved {100 * it.cycle.efficiency:.1f}%",
                      "line": {"color": "#e03131", "width": 1.5, "dash": "dash"}, "hoverinfo": "skip"})
-    layout = _layout(height=340, shapes=shapes, annotations=annotations, margin={"l": 56, "r": 16, "t": 26, "b": 44},
+    mem = [s for s in it.segments if s.mem_peak is not None]
+    if mem:
+        mx: list[float | None] = []
+        my: list[float | None] = []
+        for s in mem:
+            mx += [s.x0, s.x1]
+            my += [s.mem_peak / 2**20, s.mem_peak / 2**20]
+        data.append({"type": "scatter", "mode": "lines", "x": mx, "y": my, "yaxis": "y2",
+                     "name": "peak memory (MiB, right axis)", "line": {"color": "#0b7285", "width": 2, "dash": "dot"},
+                     "hovertemplate": "peak %{y:.1f} MiB<extra></extra>"})
+    layout = _layout(height=340, shapes=shapes, annotations=annotations, margin={"l": 56, "r": 64 if mem else 16, "t": 26, "b": 44},
                      xaxis=_axis(title={"text": f"seconds into step {it.step} (phases end to end, exclusive time)"},
                                  range=[0, end]),
                      yaxis=_axis(title={"text": "%"}, range=[0, 100], ticksuffix="%"),
                      legend={"orientation": "h", "y": -0.25, "x": 0, "font": {"size": 11}})
+    if mem:
+        layout["yaxis2"] = _axis(title={"text": "MiB"}, overlaying="y", side="right", rangemode="tozero",
+                                 showgrid=False)
     return {"data": data, "layout": layout}
 
 
@@ -260,4 +273,39 @@ def evals_figure(table: EvalTable) -> Figure | None:
                      yaxis=_axis(title={"text": "%"}, range=[-3, 103], ticksuffix="%"),
                      legend={"orientation": "v", "x": 1.01, "y": 1, "font": {"size": 11}},
                      margin={"l": 56, "r": 16, "t": 16, "b": 50})
+    return {"data": data, "layout": layout}
+
+
+# ---- memory over the run --------------------------------------------------------------------------------------
+
+MEMORY_POINTS = 1500  # per stage: beyond this, consecutive phases are bucketed keeping each bucket's peak
+
+
+def memory_figure(phases: Sequence[Any], stages: Sequence[str], kind: str | None) -> Figure | None:
+    """Peak memory of every phase occurrence along the run's clock, one trace per stage (hover: the phase).
+
+    `phases` are PhaseRecords; those without `mem_peak` (a run recorded before memory was) are skipped."""
+    by_stage: dict[str, list[Any]] = {}
+    for r in phases:
+        if r.mem_peak is not None:
+            by_stage.setdefault(r.stage, []).append(r)
+    if not by_stage:
+        return None
+    data = []
+    for k, stage in enumerate([s for s in stages if s in by_stage] + [s for s in by_stage if s not in stages]):
+        recs = sorted(by_stage[stage], key=lambda r: r.start)
+        if len(recs) > MEMORY_POINTS:
+            size = math.ceil(len(recs) / MEMORY_POINTS)
+            recs = [max(recs[i : i + size], key=lambda r: r.mem_peak) for i in range(0, len(recs), size)]
+        data.append({"type": "scatter", "mode": "lines+markers", "name": stage,
+                     "x": [r.start for r in recs], "y": [r.mem_peak / 2**20 for r in recs],
+                     "text": [f"{r.name} step {r.step}" for r in recs],
+                     "line": {"width": 1.4, "shape": "hv", "color": _MORE_COLORS[k % len(_MORE_COLORS)]},
+                     "marker": {"size": 5, "color": [phase_color(r.name) for r in recs]},
+                     "hovertemplate": f"{stage} · %{{text}}<br>peak %{{y:.1f}} MiB<extra></extra>"})
+    what = {"rss": "peak resident memory (VmHWM)", "rss-sampled": "peak resident memory (sampled)",
+            "cuda": "peak allocated device memory"}.get(kind or "", "peak memory")
+    layout = _layout(height=320, xaxis=_axis(title={"text": "seconds since the run started (phase start)"}),
+                     yaxis=_axis(title={"text": f"{what}, MiB"}, rangemode="tozero"),
+                     margin={"l": 64, "r": 16, "t": 16, "b": 44})
     return {"data": data, "layout": layout}

@@ -1,8 +1,9 @@
 """report.html: one self-contained page (Plotly's JS, the page's CSS and JS, and the data inlined).
 
 Sections: 1. the pipeline (click a stage → its panel), 2. one RL iteration with the rollout:update
-slider (only when a stage has rollout and update phases), 3. the roofline, 4. evals across the
-pipeline (the bisect table), 5. the doctor's findings (doctor.json, when present).
+slider (RL stages only — those that ran generate and update; a note when the run has none), 3. the
+roofline (and any roof the run revised), 4. memory over the run, 5. evals across the pipeline (the
+bisect table), 6. the doctor's findings (doctor.json, when present).
 
 The static parts are HTML written here; the page's script (assets/report.js) draws the figures from
 the embedded JSON and recomputes the projection with the same formula as `posttrain.telemetry.gap`.
@@ -78,7 +79,7 @@ def _phase_table(s: StageSummary, names: list[str]) -> str:
     if not s.phases:
         return '<p class="muted">No phases recorded for this stage.</p>'
     head = ("phase", "time share", "seconds", "n", "FLOP/s", "bytes/s", "FLOP/B", "% compute roof",
-            "% bandwidth roof", "% of its roof", "verdict", "busy")
+            "% bandwidth roof", "% of its roof", "verdict", "busy", "peak memory")
     rows = []
     for r in s.phases:
         rows.append(
@@ -88,7 +89,7 @@ def _phase_table(s: StageSummary, names: list[str]) -> str:
             f'<td>{"—" if r.intensity is None else f"{r.intensity:.3g}"}</td>'
             f'<td>{pct100(r.pct_compute_roof)}</td><td>{pct100(r.pct_bandwidth_roof)}</td>'
             f'<td>{pct(r.efficiency, 1)}</td><td><span class="verdict v-{e(r.bound)}">{e(r.bound)}</span></td>'
-            f'<td>{pct(r.busy)}</td></tr>')
+            f'<td>{pct(r.busy)}</td><td>{si(r.mem_peak, "B")}</td></tr>')
     th = "".join(f"<th>{h}</th>" for h in head)
     return f'<table class="data num"><thead><tr>{th}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
@@ -140,15 +141,24 @@ def _stage_panel(i: int, s: StageSummary, run: RunData, table: EvalTable, figs: 
           ("time in phases", duration(s.phase_seconds)),
           ("% compute roof (time-weighted)", pct(g.utilization, 1) if g else "—"),
           ("% of each phase's roof", pct(g.efficiency, 1) if g else "—"),
-          ("busy line", pct(g.busy) if g else "—")]
+          ("busy line", pct(g.busy) if g else "—"),
+          ("eval (shown apart from the character)", pct(s.eval_share)),
+          ("peak memory", si(s.mem_peak, "B"))]
     kvs = "".join(f"<div><dt>{k}</dt><dd>{v}</dd></div>" for k, v in kv)
     return (f'<section class="panel" id="panel-{i}" data-stage="{e(s.info.name)}" hidden>'
             f'<header><h3>{e(s.info.name)}</h3><span class="chip k-{s.character.kind}">{e(s.character.tag)}</span>'
             f'<span class="muted">{e(s.character.detail)}</span></header>'
             f'<dl class="kv">{kvs}</dl>'
-            f'<h4>Phases</h4>{_phase_table(s, names)}'
+            f'<h4>Phases</h4>{_phase_table(s, names)}{_consumers(s)}'
             f'<h4>Training curves</h4>{chart}{note}'
             f'<h4>Evals of this checkpoint</h4>{_stage_evals(table, s.info.name)}</section>')
+
+
+def _consumers(s: StageSummary) -> str:
+    if not s.consumers:
+        return ""
+    items = ", ".join(f"{e(k)} {si(v, 'B')}" for k, v in s.consumers.items())
+    return f'<p class="note">Largest known holders of memory (memory.jsonl): {items}.</p>'
 
 
 def _base_panel(run: RunData, table: EvalTable) -> str:
@@ -158,6 +168,11 @@ def _base_panel(run: RunData, table: EvalTable) -> str:
             f'<header><h3>{BASE}</h3><span class="chip k-unknown">starting checkpoint</span>'
             f'<span class="muted">model.init = {e(str(init))}</span></header>'
             f'<h4>Evals of this checkpoint</h4>{_stage_evals(table, BASE)}</section>')
+
+
+def _eval_note(s: StageSummary) -> str:
+    return (f'<span class="node-meta eval-share">+ eval {pct(s.eval_share)} of its time</span>'
+            if s.eval_share >= 0.005 else "")
 
 
 def _pipeline(run: RunData, summaries: list[StageSummary], table: EvalTable, figs: dict[str, Any], names: list[str]) -> str:
@@ -170,13 +185,16 @@ def _pipeline(run: RunData, summaries: list[StageSummary], table: EvalTable, fig
             f'<button class="node" data-panel="panel-{i}"><span class="node-kind">{e(s.info.kind)}</span>'
             f'<span class="node-name">{e(s.info.name)}</span>'
             f'<span class="node-meta">{s.steps_seen:,} steps · {duration(s.wall_seconds)}</span>'
-            f'{_share_bar(s, names)}<span class="chip k-{s.character.kind}">{e(s.character.tag)}</span></button>')
+            f'{_share_bar(s, names)}<span class="chip k-{s.character.kind}">{e(s.character.tag)}</span>'
+            f'{_eval_note(s)}</button>')
         panels.append(_stage_panel(i, s, run, table, figs, names))
     path = '<span class="arrow">→</span>'.join(nodes)
     legend = "".join(f'<span><i class="dot" style="background:{charts.phase_color(n, names)}"></i>{e(n)}</span>' for n in names)
     return (f'<section id="pipeline"><h2><span class="secnum">1</span>The pipeline</h2>'
-            f'<p class="lede">Each stage carries the character its phases <em>measured</em> on this device. '
-            f'Click a stage for its time, phases, curves and evals.</p>'
+            f'<p class="lede">Each stage carries the character its phases <em>measured</em> on this device: the '
+            f'training phases it ran, then the verdict of the longest (an RL stage — one that generates and '
+            f'updates — is drawn in purple). Evaluation is measurement, not training: its share of a stage\'s time '
+            f'is shown beside the character, never as it. Click a stage for its time, phases, curves and evals.</p>'
             f'<div class="path">{path}</div><div class="legend">{legend}</div>{"".join(panels)}</section>')
 
 
@@ -226,7 +244,9 @@ def _rl_block(j: int, it: RLIteration, run: RunData, figs: dict[str, Any], proje
 
 def _rl_section(run: RunData, its: list[RLIteration], figs: dict[str, Any], projections: list[Any], names: list[str]) -> str:
     if not its:
-        return ""
+        return ('<section id="rl" class="none"><h2><span class="secnum">2</span>One RL iteration</h2>'
+                '<p class="muted">This run has no RL stage: no stage both generated and updated (a DPO-family '
+                'step — reference + update — generates nothing, so it has no rollout:update ratio).</p></section>')
     blocks = "".join(_rl_block(j, it, run, figs, projections, names) for j, it in enumerate(its))
     return (f'<section id="rl"><h2><span class="secnum">2</span>One RL iteration</h2>'
             f'<p class="lede">A representative step laid out in time. The busy line (what a dashboard shows) '
@@ -245,10 +265,32 @@ def _roofline(run: RunData, summaries: list[StageSummary], figs: dict[str, Any],
     roofs = (f"{e(peaks.name)} ({e(peaks.kind)}), {e(run.dtype)}: compute roof {si(run.peak_flops, 'FLOP/s')}, "
              f"bandwidth roof {si(peaks.bytes_per_s, 'B/s')}"
              + (f", ridge {run.peak_flops / peaks.bytes_per_s:.3g} FLOP/B" if run.peak_flops and peaks.bytes_per_s else ""))
+    revised = "".join(f'<p class="note warn revision">Roof revised: {e(r.sentence())}. Every percentage on this '
+                      f'page is against the revised roof; a rate above a roof means the roof was measured low '
+                      f'(a busy machine) or the phase declared more work than it did.</p>' for r in run.revisions)
     return (f'<section id="roofline"><h2><span class="secnum">{n}</span>The roofline</h2>'
-            f'<p class="lede">{roofs}. One point per phase per stage, pooled over its steps.</p>'
+            f'<p class="lede">{roofs}. One point per phase per stage, pooled over its steps.</p>{revised}'
             f'{_chart("roofline-fig", figs, fig, "No phase declared a cost and no peaks are known: nothing to place.")}'
             f'{note}<p class="note">Peaks: {e(peaks.source or "unknown")}</p></section>')
+
+
+def _memory(run: RunData, summaries: list[StageSummary], figs: dict[str, Any], n: int) -> str:
+    kind = (run.device or {}).get("memory")
+    fig = charts.memory_figure(run.phases, [s.info.name for s in summaries], kind)
+    what = {"rss": "the process's peak resident set (the kernel's VmHWM, reset at each phase start)",
+            "rss-sampled": "the process's resident set, sampled (a lower bound of the peak)",
+            "cuda": "the device's peak allocated memory (torch.cuda.max_memory_allocated, reset per phase)"}.get(
+                kind or "", "peak memory")
+    rows = "".join(f'<tr><td>{e(s.info.name)}</td><td>{si(s.mem_peak, "B")}</td><td>'
+                   + (", ".join(f"{e(k)} {si(v, 'B')}" for k, v in (s.consumers or {}).items()) or "—")
+                   + "</td></tr>" for s in summaries)
+    table = ('<table class="data num"><thead><tr><th>stage</th><th>peak memory</th><th>largest known holders</th>'
+             f'</tr></thead><tbody>{rows}</tbody></table>' if summaries else "")
+    return (f'<section id="memory"><h2><span class="secnum">{n}</span>Memory</h2>'
+            f'<p class="lede">Peak memory of every phase along the run: {e(what)}. A phase\'s peak includes '
+            f'its nested phases.</p>'
+            f'{_chart("memory-fig", figs, fig, "No memory recorded (a run from before memory was measured).")}'
+            f'{table}</section>')
 
 
 def _cell_value(c: Any) -> str:
@@ -321,8 +363,8 @@ def render(run: RunData) -> str:
     figs: dict[str, Any] = {}
     projections: list[Any] = []
     sections = [_pipeline(run, summaries, table, figs, names), _rl_section(run, its, figs, projections, names)]
-    n = 3 if its else 2
-    sections += [_roofline(run, summaries, figs, n), _evals(table, figs, n + 1), _doctor(run.doctor, n + 2)]
+    sections += [_roofline(run, summaries, figs, 3), _memory(run, summaries, figs, 4), _evals(table, figs, 5),
+                 _doctor(run.doctor, 6)]
     total = sum(s.wall_seconds or 0.0 for s in summaries)
     peaks = run.peaks
     title = str(run.recipe.get("name") or run.run_dir.name)
@@ -333,11 +375,12 @@ def render(run: RunData) -> str:
               f'<div><dt>stages</dt><dd>{" → ".join(e(s.info.name) for s in summaries) or "—"}</dd></div>'
               f'<div><dt>time in stages</dt><dd>{duration(total)}</dd></div>'
               f'<div><dt>device</dt><dd>{e(peaks.name)} · {e(run.dtype)}</dd></div>'
-              f'<div><dt>roofs</dt><dd>{si(run.peak_flops, "FLOP/s")} · {si(peaks.bytes_per_s, "B/s")}</dd></div>'
+              f'<div><dt>roofs</dt><dd>{si(run.peak_flops, "FLOP/s")} · {si(peaks.bytes_per_s, "B/s")}'
+              f'{" <span class=chip>revised</span>" if run.revisions else ""}</dd></div>'
               f'</dl></header>{missing}')
     nav = ('<nav>' + "".join(f'<a href="#{i}">{t}</a>' for i, t in
-                             [("pipeline", "Pipeline"), *([("rl", "RL iteration")] if its else []),
-                              ("roofline", "Roofline"), ("evals", "Evals"), ("doctor", "Doctor")]) + '</nav>')
+                             [("pipeline", "Pipeline"), ("rl", "RL iteration"), ("roofline", "Roofline"),
+                              ("memory", "Memory"), ("evals", "Evals"), ("doctor", "Doctor")]) + '</nav>')
     data = json.dumps(_json_safe({"figures": figs, "projections": projections,
                                   "colors": {n: charts.phase_color(n, names) for n in names}}), allow_nan=False, separators=(",", ":"))
     data = data.replace("</", "<\\/")

@@ -18,6 +18,7 @@ import yaml
 
 from posttrain.telemetry.devices import Peaks
 from posttrain.telemetry.phases import PhaseRecord, read_phases
+from posttrain.telemetry.revision import Revision, net, recorded, revise
 from posttrain.telemetry.sinks import read_jsonl_records
 
 BASE = "base"  # the checkpoint before the first post-training stage (posttrain.pipeline.run.BASE)
@@ -47,9 +48,15 @@ class RunData:
     evals: list[dict[str, Any]]
     doctor: Any | None                            # doctor.json as written (a later issue defines it)
     missing: list[str] = field(default_factory=list)  # files the run folder lacks
+    memory: list[dict[str, Any]] = field(default_factory=list)  # memory.jsonl: the largest known consumers
+    revisions: list[Revision] = field(default_factory=list)     # roofs lifted (run time and report time), one per roof
+    revised_peaks: Peaks | None = None            # device.json's peaks lifted to every rate the phases achieved
 
     @property
     def peaks(self) -> Peaks:
+        """The roofs every number of the report is against: never below a rate a phase achieved."""
+        if self.revised_peaks is not None:
+            return self.revised_peaks
         if self.device is None:
             return Peaks(name="unknown (no device.json)", kind="?")
         return Peaks.from_json(self.device)
@@ -124,6 +131,7 @@ def load_run(run_dir: str | Path) -> RunData:
     evals = read_jsonl(p) if (p := optional("evals.jsonl")) else []
     device = json.loads(p.read_text()) if (p := optional("device.json")) else None
     doctor = json.loads(p.read_text()) if (p := run_dir / "doctor.json").is_file() else None
+    memory = read_jsonl(p) if (p := run_dir / "memory.jsonl").is_file() else []  # absent before memory was recorded
     if not (metrics or phases or evals):
         raise ReportError(f"{run_dir}: no metrics.jsonl, phases.jsonl or evals.jsonl records yet — nothing to "
                           "report (did a stage reach its first logged step?)")
@@ -135,8 +143,14 @@ def load_run(run_dir: str | Path) -> RunData:
         if isinstance(name, str) and name not in known:
             stages.append(StageInfo(name=name, kind=name, steps=None))
             known.add(name)
+    revised, revisions = None, []
+    if device is not None:
+        dtype = device.get("dtype", "fp32")
+        revised, late = revise(Peaks.from_json(device), dtype, phases)  # a run killed before it rewrote device.json
+        revisions = net(recorded(device) + late)
     return RunData(run_dir=run_dir, recipe=recipe, stages=stages, metrics=metrics, phases=phases,
-                   device=device, evals=evals, doctor=doctor, missing=missing)
+                   device=device, evals=evals, doctor=doctor, missing=missing, memory=memory,
+                   revisions=revisions, revised_peaks=revised)
 
 
 def finite_or_none(x: Any) -> float | None:

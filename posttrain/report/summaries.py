@@ -1,17 +1,21 @@
 """What the report says about each stage, computed only from what the run recorded.
 
 Per stage: wall time, the per-phase roofline table (pooled over the stage's steps with
-`posttrain.telemetry.gap`), and its measured *character*:
+`posttrain.telemetry.gap`), peak memory, and its measured *character*:
 
-    character rule (phases named `eval` are bookkeeping and left out; so are phases whose verdict is
-    `unknown` — no cost declared or no peak known):
-    1. the stage has a rollout phase (generate, score, reference) and an update phase
-           → "generate + update", with each one's verdict as the detail
-    2. else → the verdict of the phase that took the most time: compute- / memory- / overhead-bound
-    3. no phase with a verdict → "unmeasured"
+    character rule (phases named `eval` are measurement, not training: left out of the character and
+    reported beside it as the eval share of the stage's phase time):
+    1. the tag is the training phases the stage actually ran, in loop order (generate, score,
+       reference, update, sync, then any other): "generate + score + reference + update + sync" for
+       PPO/GRPO, "reference + update" for DPO with a reference model, "update" for SFT or SimPO;
+    2. a stage that ran `generate` and `update` is an RL stage (kind "rl"); any other takes the verdict
+       of its longest phase with a verdict (compute / memory / overhead), appended to the tag:
+       "reference + update · compute-bound";
+    3. the detail names the verdict and time share (of the training phases' time) of the longest
+       phases; no phase with a verdict and no training phase → "unmeasured".
 
-For an RL stage, one iteration: the representative cycle (the (stage, step) whose phase time is the
-median among steps holding both a rollout and an update phase and no eval) laid out in time, and the
+For an RL stage (one that ran `generate` and `update`), one iteration: the representative cycle (the
+(stage, step) whose phase time is the median among steps holding generate and update and no eval) laid out in time, and the
 phase rates pooled over all the stage's non-eval phases — the input of the rollout:update projection
 (`posttrain.telemetry.gap`), which the page recomputes in JavaScript from those same numbers.
 
@@ -30,11 +34,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from posttrain.report.run_data import BASE, RunData, StageInfo
-from posttrain.telemetry.gap import DEFAULT_RATIOS, ROLLOUT_PHASES, UPDATE_PHASES, Gap, gap
+from posttrain.telemetry.gap import DEFAULT_RATIOS, UPDATE_PHASES, Gap, gap
 from posttrain.telemetry.phases import PhaseRecord
 from posttrain.telemetry.roofline import place
 
 EVAL_PHASES = ("eval",)
+LOOP_ORDER = ("generate", "score", "reference", "update", "sync")  # the order a character names phases in
 
 
 @dataclass(frozen=True)
@@ -55,11 +60,12 @@ class PhaseRow:
     efficiency: float | None          # 0..1 of the roof its intensity allows
     bound: str
     busy: float | None                # 0..1
+    mem_peak: int | None = None       # bytes: the largest peak over its occurrences
 
 
 @dataclass(frozen=True)
 class Character:
-    tag: str      # "compute-bound" | "memory-bound" | "overhead-bound" | "generate + update" | "unmeasured"
+    tag: str      # the training phases run, e.g. "generate + score + reference + update + sync" or "update · compute-bound"
     kind: str     # compute | memory | overhead | rl | unknown — the page's colour
     detail: str   # one line of evidence
 
@@ -73,6 +79,9 @@ class StageSummary:
     phases: list[PhaseRow]            # most time first
     gap: Gap | None
     character: Character
+    eval_share: float = 0.0           # 0..1 of the stage's phase time spent in `eval`
+    mem_peak: int | None = None       # bytes: the stage's largest phase peak
+    consumers: dict[str, int] | None = None  # the largest known holders of memory (memory.jsonl), bytes
 
 
 def phase_rows(records: Sequence[PhaseRecord], *, peak_flops: float | None,
@@ -81,8 +90,11 @@ def phase_rows(records: Sequence[PhaseRecord], *, peak_flops: float | None,
         return [], None
     g = gap(records, peak_flops=peak_flops, peak_bytes_per_s=peak_bytes_per_s)
     counts: dict[str, int] = {}
+    mem: dict[str, int] = {}
     for r in records:
         counts[r.name] = counts.get(r.name, 0) + 1
+        if r.mem_peak is not None:
+            mem[r.name] = max(mem.get(r.name, 0), r.mem_peak)
     rows = []
     for s in g.phases:
         p = place(s.flops, s.bytes, s.seconds, peak_flops=peak_flops, peak_bytes_per_s=peak_bytes_per_s)
@@ -90,7 +102,7 @@ def phase_rows(records: Sequence[PhaseRecord], *, peak_flops: float | None,
                              flops=s.flops, bytes=s.bytes, flops_per_s=p.flops_per_s, bytes_per_s=p.bytes_per_s,
                              intensity=p.intensity, pct_compute_roof=p.pct_compute_roof,
                              pct_bandwidth_roof=p.pct_bandwidth_roof, efficiency=p.efficiency,
-                             bound=p.bound.value, busy=s.busy))
+                             bound=p.bound.value, busy=s.busy, mem_peak=mem.get(s.name)))
     return rows, g
 
 
@@ -98,23 +110,36 @@ def _bound_tag(bound: str) -> str:
     return f"{bound}-bound"
 
 
+def training_phases(rows: Sequence[PhaseRow]) -> list[str]:
+    """The phase names a stage ran outside `eval`, in loop order (then any other, longest first)."""
+    names = {r.name for r in rows if r.name not in EVAL_PHASES}
+    others = [r.name for r in sorted(rows, key=lambda r: -r.seconds) if r.name in names and r.name not in LOOP_ORDER]
+    return [n for n in LOOP_ORDER if n in names] + others
+
+
+def is_rl(names: Sequence[str] | set[str]) -> bool:
+    """A stage is RL when it generated its own training data and learned from it in the same loop."""
+    return "generate" in names and bool(set(names) & set(UPDATE_PHASES))
+
+
 def character(rows: Sequence[PhaseRow]) -> Character:
     """The measured character of a stage from its pooled phase rows (rule in the module docstring)."""
-    work = [r for r in rows if r.name not in EVAL_PHASES and r.bound != "unknown"]
-    if not work:
-        return Character("unmeasured", "unknown", "no phase with a declared cost and a known peak")
+    names = training_phases(rows)
+    work = [r for r in rows if r.name in names]
+    measured = sorted((r for r in work if r.bound != "unknown"), key=lambda r: -r.seconds)
+    if not measured:
+        tag = f"{' + '.join(names)} · unmeasured" if names else "unmeasured"
+        return Character(tag, "unknown", "no phase with a declared cost and a known peak")
     total = sum(r.seconds for r in work)
 
     def say(r: PhaseRow) -> str:
-        return f"{r.name} {_bound_tag(r.bound)} ({100 * r.seconds / total:.0f}% of the time)"
+        return f"{r.name} {_bound_tag(r.bound)} ({100 * r.seconds / total:.0f}% of the training time)"
 
-    rollout = [r for r in work if r.name in ROLLOUT_PHASES]
-    update = [r for r in work if r.name in UPDATE_PHASES]
-    if rollout and update:
-        top = max(rollout, key=lambda r: r.seconds)
-        return Character("generate + update", "rl", f"{say(top)} · {say(max(update, key=lambda r: r.seconds))}")
-    top = max(work, key=lambda r: r.seconds)
-    return Character(_bound_tag(top.bound), top.bound, say(top))
+    detail = " · ".join(say(r) for r in measured[:2])
+    if is_rl(names):
+        return Character(" + ".join(names), "rl", detail)
+    top = measured[0]
+    return Character(f"{' + '.join(names)} · {_bound_tag(top.bound)}", top.bound, detail)
 
 
 def summarize_stage(run: RunData, info: StageInfo) -> StageSummary:
@@ -127,9 +152,17 @@ def summarize_stage(run: RunData, info: StageInfo) -> StageSummary:
     else:
         times = [m["time"] for m in metrics if isinstance(m.get("time"), (int, float))]
         wall = max(times) - min(times) if len(times) > 1 else None
+    phase_seconds = sum(r.seconds for r in records)
+    eval_seconds = sum(r.seconds for r in records if r.name in EVAL_PHASES)
+    consumers = None
+    for m in run.memory:
+        if m.get("stage") == info.name and isinstance(m.get("consumers"), dict):
+            consumers = {str(k): int(v) for k, v in m["consumers"].items()}  # the last record counts
+    peaks = [r.mem_peak for r in rows if r.mem_peak is not None]
     return StageSummary(info=info, steps_seen=max(steps, default=0), wall_seconds=wall,
-                        phase_seconds=sum(r.seconds for r in records), phases=rows, gap=g,
-                        character=character(rows))
+                        phase_seconds=phase_seconds, phases=rows, gap=g, character=character(rows),
+                        eval_share=eval_seconds / phase_seconds if phase_seconds > 0 else 0.0,
+                        mem_peak=max(peaks) if peaks else None, consumers=consumers)
 
 
 def summarize(run: RunData) -> list[StageSummary]:
@@ -151,6 +184,7 @@ class Segment:
     efficiency: float | None    # 0..1 of the roof its intensity allows
     utilization: float | None   # 0..1 of the compute roof
     bound: str
+    mem_peak: int | None = None  # bytes
 
 
 @dataclass(frozen=True)
@@ -164,12 +198,12 @@ class RLIteration:
 
 
 def _is_rl(records: Sequence[PhaseRecord]) -> bool:
-    names = {r.name for r in records}
-    return bool(names & set(ROLLOUT_PHASES)) and bool(names & set(UPDATE_PHASES))
+    return is_rl({r.name for r in records})
 
 
 def rl_iteration(run: RunData, stage: str, *, ratios: Sequence[float] = DEFAULT_RATIOS) -> RLIteration | None:
-    """The iteration view of `stage`, or None when it has no cycle with both rollout and update phases."""
+    """The iteration view of `stage`, or None when it has no cycle with both generate and update phases
+    (a DPO step — reference + update — is not an RL iteration: it generates nothing)."""
     work = [r for r in run.stage_phases(stage) if r.name not in EVAL_PHASES]
     by_step: dict[int, list[PhaseRecord]] = {}
     for r in run.stage_phases(stage):
@@ -187,7 +221,7 @@ def rl_iteration(run: RunData, stage: str, *, ratios: Sequence[float] = DEFAULT_
     for r in recs:
         p = place(r.flops, r.bytes, r.seconds, peak_flops=pf, peak_bytes_per_s=pb)
         u = r.flops / (r.seconds * pf) if pf and r.seconds > 0 else None
-        segments.append(Segment(r.name, x, x + r.seconds, r.busy, p.efficiency, u, p.bound.value))
+        segments.append(Segment(r.name, x, x + r.seconds, r.busy, p.efficiency, u, p.bound.value, r.mem_peak))
         x += r.seconds
     return RLIteration(stage=stage, step=step, segments=segments,
                        cycle=gap(recs, peak_flops=pf, peak_bytes_per_s=pb, ratios=ratios),

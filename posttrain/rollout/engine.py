@@ -42,7 +42,12 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> None:
-        """Make the next `generate` use these weights; stages call it after every optimizer step."""
+        """Make the next `generate` use these weights (lazily: the move may happen inside it)."""
+        ...
+
+    def sync_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> int:
+        """Move these weights into the engine now; returns the bytes moved. Stages call it after every
+        optimizer step inside their `sync` phase, so the move is timed apart from `generate`."""
         ...
 
     def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> Cost:

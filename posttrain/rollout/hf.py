@@ -46,6 +46,15 @@ class HFEngine:
     def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
         """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`)."""
         return costs.decode(self.model.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+    def sync_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> int:
+        """`update_weights`; the bytes loaded (0 for the shared module: `generate` reads it directly)."""
+        if isinstance(model_or_state_dict, dict):
+            moved = sum(t.nbytes for t in model_or_state_dict.values())
+        else:
+            moved = 0 if model_or_state_dict is self.model else sum(
+                t.nbytes for t in model_or_state_dict.state_dict().values())
+        self.update_weights(model_or_state_dict)
+        return moved
 
     def _kwargs(self, params: SamplingParams) -> dict:
         kw: dict = {"max_new_tokens": params.max_new_tokens, "num_return_sequences": params.n,

@@ -143,6 +143,7 @@ class NativeEngine:
         self.layers = cfg.num_hidden_layers
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._kv_bytes = 0
 
     def update_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> None:
         """Make the next `generate` sample from these weights. The engine shares the training module, so
@@ -160,8 +161,35 @@ class NativeEngine:
     def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
         """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`)."""
         return costs.decode(self.model.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+    def sync_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> int:
+        """`update_weights`, then rebuild the fused copies (and the decode forms the last generate used)
+        now instead of lazily inside the next `generate`, so the stage can time the move as its `sync`
+        phase. Returns the bytes moved: a loaded state dict's bytes, plus what the rebuild read and wrote."""
+        moved = 0
+        if isinstance(model_or_state_dict, dict):
+            moved += sum(t.nbytes for t in model_or_state_dict.values())
+        elif model_or_state_dict is not self.model:
+            moved += sum(t.nbytes for t in model_or_state_dict.state_dict().values())
+        self.update_weights(model_or_state_dict)
+        if isinstance(self.step, FusedDecoder):
+            with torch.inference_mode():  # the copies were made inside generate's inference mode: rebuild them there
+                if self.step.weights.layers:
+                    moved += self.step.weights.rebuild()
+                else:  # the first move: build the copies (the decode forms follow at the first generate)
+                    self.step.prepare(1, next(self.model.parameters()).device)
+                    moved += self.step.weights.moved_bytes
+        return moved
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What this engine holds beside the model: fused weight copies and the last KV cache (bytes)."""
+        out = {"KV cache": self._kv_bytes}
+        if isinstance(self.step, FusedDecoder):
+            out["fused weights"] = self.step.weights.resident_bytes()
+        return out
 
     def _cache(self, rows: int, capacity: int, device: torch.device) -> KVCache:
+        self._kv_bytes = (2 * self.layers * rows * self.kv_heads * capacity * self.head_dim
+                          * self.step.cache_dtype.itemsize)  # keys and values
         return KVCache.allocate(layers=self.layers, rows=rows, kv_heads=self.kv_heads, capacity=capacity,
                                 head_dim=self.head_dim, dtype=self.step.cache_dtype, device=device)
 

@@ -73,7 +73,7 @@ from posttrain.stages._rlvr import (
 )
 from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
 from posttrain.stages._training import Trainer, optimizer_step, save, start_or_resume
-from posttrain.telemetry import costs
+from posttrain.telemetry import costs, memory
 
 
 # ---- the loss variants ---------------------------------------------------------------------------
@@ -339,7 +339,11 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                             upd = update(ctx, cfg, t, b, ref_logps, variant, clip, engine.pad_id)
                         metrics.update(upd if it == 0 else {k: upd[k] for k in ("clip/low", "clip/high", "clip/approx_kl",
                                                                                     "clip/ratio_max", "train/grad_norm")})
-                    engine.update_weights(t.model)  # the next rollout samples the updated policy
+                    with ctx.phase("sync", stage=stage, step=step) as ph:  # the next rollout samples the updated policy
+                        ph.cost = costs.Cost(bytes=engine.sync_weights(t.model))
+                    if step == cfg.mu:  # once: what the phases' memory peaks are made of
+                        ctx.telemetry.note_consumers(stage, step, memory.consumers(
+                            weights=t.model, optimizer=t.optimizer, reference=ref_model, engine=engine))
                 metrics["train/seconds_per_rollout"] = time.perf_counter() - t0
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     with ctx.phase("eval", stage=stage, step=step):

@@ -71,7 +71,7 @@ from posttrain.stages._training import (
     warmup_cosine,
 )
 from posttrain.tasks import Capability, Task
-from posttrain.telemetry import costs
+from posttrain.telemetry import costs, memory
 
 
 def load_prompts(ctx: RunContext, cfg: PPOStage) -> list[Problem]:
@@ -209,7 +209,13 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                 t.scheduler.step()
                 critic_sched.step()
                 t.step += 1
-                engine.update_weights(t.model)  # the next rollout samples the updated policy
+            with ctx.phase("sync", stage=cfg.folder, step=step) as ph:  # the next rollout samples the updated policy
+                ph.cost = costs.Cost(bytes=engine.sync_weights(t.model))
+            if step == 1:  # once: what the phases' memory peaks are made of
+                ctx.telemetry.note_consumers(cfg.folder, step, memory.consumers(
+                    weights=t.model, optimizer=t.optimizer, reference=reference, engine=engine, extra={
+                        "critic + its optimizer state": memory.tensor_bytes(critic.parameters())
+                        + memory.optimizer_state_bytes(critic_opt)}))
             kl = kl_stats.as_floats()
             known = [g for g in golds if g is not None]
             metrics = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}

@@ -153,6 +153,8 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     verifiers = build_rewards(cfg.rewards)
     model = ctx.load_model(resolve_policy(ctx))  # after a reward_model stage, the policy it was built for
     engine = ctx.rollout_engine(model)
+    with ctx.phase("sync", stage=stage, step=1) as ph:  # the sampling policy's weights into the engine, once
+        ph.cost = costs.Cost(bytes=engine.sync_weights(model))
     out_path = output_path(cfg, ctx.run_dir)
     scored_by = [f"{r.name}×{r.weight:g}" for r in cfg.rewards]
     if scorer is not None:

@@ -27,6 +27,7 @@ import bisect
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import psutil
@@ -136,10 +137,11 @@ def source_for(device: torch.device) -> BusySource | None:
 class BusySampler:
     """Reads a BusySource on a daemon thread at `hz`; answers means over time windows."""
 
-    def __init__(self, source: BusySource, hz: float = 20.0) -> None:
+    def __init__(self, source: BusySource, hz: float = 20.0, on_tick: Callable[[], None] | None = None) -> None:
+        """`on_tick`: called on the sampler's thread with every sample (the sampled-RSS memory meter)."""
         if not hz >= 10.0:
             raise ValueError(f"BusySampler: hz={hz}; the busy line must be sampled at ≥ 10 Hz")
-        self.source, self.period = source, 1.0 / hz
+        self.source, self.period, self._tick = source, 1.0 / hz, on_tick
         self._mids: list[float] = []     # interval midpoints, increasing
         self._values: list[float] = []
         self._lock = threading.Lock()
@@ -153,6 +155,8 @@ class BusySampler:
         while not self._stop.wait(self.period):
             value = self.source.read()
             now = time.perf_counter()
+            if self._tick is not None:
+                self._tick()
             if value is not None:
                 with self._lock:
                     self._mids.append((last + now) / 2)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -20,6 +21,7 @@ from posttrain.telemetry.devices import (
 )
 from posttrain.telemetry.gap import gaps_by_stage
 from posttrain.telemetry.phases import read_phases
+from posttrain.telemetry.revision import net, recorded, revise
 from posttrain.telemetry.roofline import place, ridge_point
 
 
@@ -70,8 +72,39 @@ def roofline_command(measure: bool, *, console: Console | None = None) -> None:
     console.print(f"[dim]known accelerators: {', '.join(s.name for s in PEAKS_TABLE)}[/dim]")
 
 
+def _g(value: float | None) -> str:
+    """A rate in G-units to 3 significant figures (narrow columns): 95.1, 1.23e3 → 1,230, None → —."""
+    if value is None:
+        return "—"
+    v = value / 1e9
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def _mem(value: int | None) -> str:
+    if value is None:
+        return "—"
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value} B"
+
+
+# (header at full width, header when narrow, justify); the narrow headers are explained by NARROW_LEGEND
+_COLUMNS = (("phase", "phase", "left"), ("time share", "share", "right"), ("seconds", "s", "right"),
+            ("GFLOP/s", "GFLOP/s", "right"), ("GB/s", "GB/s", "right"), ("FLOP/B", "F/B", "right"),
+            ("% compute roof", "%C", "right"), ("% bandwidth roof", "%B", "right"), ("verdict", "verdict", "left"),
+            ("busy", "busy", "right"), ("peak memory", "mem", "right"))
+NARROW_LEGEND = ("share = time share · s = seconds · F/B = FLOP per byte · %C / %B = % of the compute / "
+                 "bandwidth roof · mem = peak memory during the phase (RSS on a CPU, allocated on CUDA)")
+WIDE = 120  # columns from which the table spells its headers out
+
+
 def phases_command(run_dir: Path, *, console: Console | None = None) -> None:
-    """Print the per-phase roofline table of each stage of a run, and its cycle gap."""
+    """Print the per-phase roofline table of each stage of a run, and its cycle gap.
+
+    Every percentage is against the roofs as revised (`revision.revise`): a rate a phase achieved above
+    the recorded roof lifts it, and the lift is printed. Below 120 columns the headers are abbreviated,
+    with a legend."""
     console = console or Console()
     run_dir = Path(run_dir)
     phases_path, device_path = run_dir / "phases.jsonl", run_dir / "device.json"
@@ -82,14 +115,19 @@ def phases_command(run_dir: Path, *, console: Console | None = None) -> None:
         raise FileNotFoundError(f"{phases_path} not found: this run recorded no phases "
                                 "(was it started with telemetry, and did a stage reach its first step?)")
     records = read_phases(phases_path)
+    device: dict = {}
     if device_path.is_file():
         device = json.loads(device_path.read_text())
         peaks, dtype = Peaks.from_json(device), device.get("dtype", "fp32")
     else:
         peaks, dtype = Peaks(name="unknown (no device.json)", kind="?"), "fp32"
+    peaks, late = revise(peaks, dtype, records)
+    revisions = net(recorded(device) + late)
     peak_flops, peak_bw = peaks.flops_for(dtype), peaks.bytes_per_s
     console.print(f"[bold]{run_dir}[/bold] — {peaks.name}, {dtype}: compute roof "
                   f"{_si(peak_flops, 'GFLOP/s')}, bandwidth roof {_si(peak_bw, 'GB/s')}")
+    for r in revisions:
+        console.print(f"[yellow]roof revised: {r.sentence()}[/yellow]")
     problem = missing_peaks_message(peaks, dtype)
     if problem:
         console.print(f"[yellow]{problem}[/yellow]")
@@ -97,16 +135,23 @@ def phases_command(run_dir: Path, *, console: Console | None = None) -> None:
         console.print("no phase records yet")
         return
 
+    wide = console.width >= WIDE
+    mem: dict[tuple[str, str], int] = {}
+    for r in records:
+        if r.mem_peak is not None:
+            mem[(r.stage, r.name)] = max(mem.get((r.stage, r.name), 0), r.mem_peak)
     for stage, g in gaps_by_stage(records, peak_flops=peak_flops, peak_bytes_per_s=peak_bw).items():
-        table = Table(title=f"stage {stage}: {g.cycles} step(s), {g.seconds:.2f} s in phases")
-        for col in ("phase", "time share", "seconds", "GFLOP/s", "GB/s", "FLOP/B", "% compute roof",
-                    "% bandwidth roof", "verdict", "busy"):
-            table.add_column(col, justify="left" if col in ("phase", "verdict") else "right")
+        table = Table(title=f"stage {stage}: {g.cycles} step(s), {g.seconds:.2f} s in phases",
+                      box=box.SIMPLE_HEAD if not wide else box.HEAVY_HEAD, padding=(0, 1) if wide else (0, 0),
+                      pad_edge=wide, collapse_padding=not wide)
+        for full, short, just in _COLUMNS:
+            table.add_column(full if wide else short, justify=just, no_wrap=True)  # type: ignore[arg-type]
         for s in g.phases:
             p = place(s.flops, s.bytes, s.seconds, peak_flops=peak_flops, peak_bytes_per_s=peak_bw)
-            table.add_row(s.name, _frac(s.share), f"{s.seconds:.3f}", _si(p.flops_per_s, ""),
-                          _si(p.bytes_per_s, ""), "—" if p.intensity is None else f"{p.intensity:.2f}",
-                          _pct(p.pct_compute_roof), _pct(p.pct_bandwidth_roof), p.bound.value, _frac(s.busy))
+            table.add_row(s.name, _frac(s.share), f"{s.seconds:.3f}", _g(p.flops_per_s), _g(p.bytes_per_s),
+                          "—" if p.intensity is None else f"{p.intensity:.3g}",
+                          _pct(p.pct_compute_roof), _pct(p.pct_bandwidth_roof), p.bound.value, _frac(s.busy),
+                          _mem(mem.get((stage, s.name))))
         console.print(table)
         console.print(f"cycle: achieved {_frac(g.utilization)} of the compute roof (time-weighted), "
                       f"{_frac(g.efficiency)} of each phase's own roof — busy line reads {_frac(g.busy)}")
@@ -117,3 +162,5 @@ def phases_command(run_dir: Path, *, console: Console | None = None) -> None:
             for p in g.projections:
                 proj.add_row(f"{p.ratio:g}:1", _frac(p.utilization), _frac(p.busy))
             console.print(proj)
+    if not wide:
+        console.print(f"[dim]{NARROW_LEGEND}[/dim]")

@@ -21,7 +21,9 @@ each rollout phase is scaled by k = r · U₀ / R₀ (so rollout time = r × upd
     t'_p = k · t_p  (p ∈ R),   t'_p = t_p  otherwise
     U(r) = Σ_p t'_p · u_p / Σ_p t'_p,   busy(r) likewise (over phases with a busy value)
 
-At r = R₀/U₀ (the measured ratio) U(r) = U. No projection when a cycle has no rollout or no update.
+At r = R₀/U₀ (the measured ratio) U(r) = U. No projection when a cycle has no `generate` or no
+update: a DPO step's reference forward is not a rollout (nothing is generated), so a reference +
+update cycle has no rollout:update ratio to move.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def gap(records: Sequence[PhaseRecord], *, peak_flops: float | None, peak_bytes_
                                  busy=_weighted((r.seconds, r.busy) for r in group)))
     phases.sort(key=lambda s: -s.seconds)
     utilization = _weighted((s.seconds, s.utilization) for s in phases) if peak_flops else None
-    rollout = sum(s.seconds for s in phases if s.name in ROLLOUT_PHASES)
+    generates = any(s.name == "generate" for s in phases)
+    rollout = sum(s.seconds for s in phases if s.name in ROLLOUT_PHASES) if generates else 0.0
     update = sum(s.seconds for s in phases if s.name in UPDATE_PHASES)
     projections = []
     if rollout > 0 and update > 0:

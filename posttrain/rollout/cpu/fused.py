@@ -147,6 +147,7 @@ class FusedWeights:
         self._buffers: dict[str, Tensor] = {}
         self.layers: list[_Layer] = []
         self._projections: dict[str, tuple[int, list[_LayerProjections], MatmulForm]] = {}
+        self.moved_bytes = 0
 
     def _version(self) -> tuple:
         # A parameter's `_version` moves on every in-place write (optimizer.step, load_state_dict, copy_),
@@ -172,6 +173,7 @@ class FusedWeights:
         if norm is None and w.dtype == self._dt:
             return w
         out = self._buffer(name, tuple(w.shape), w)
+        self.moved_bytes += w.nbytes + out.nbytes
         return out.copy_(w) if norm is None else torch.mul(w, norm.detach(), out=out)
 
     def _qkv(self, name: str, a: nn.Module, norm: Tensor, heads: int, kv_heads: int, d: int) -> Tensor:
@@ -184,6 +186,7 @@ class FusedWeights:
         torch.mul(_paired(a.q_proj.weight.detach(), heads, d), n, out=q.view(heads, d // 2, 2, hidden))
         torch.mul(_paired(a.k_proj.weight.detach(), kv_heads, d), n, out=k.view(kv_heads, d // 2, 2, hidden))
         torch.mul(a.v_proj.weight.detach(), n, out=out[(heads + kv_heads) * d :])
+        self.moved_bytes += a.q_proj.weight.nbytes + a.k_proj.weight.nbytes + a.v_proj.weight.nbytes + out.nbytes
         return out
 
     def refresh(self) -> None:
@@ -196,6 +199,7 @@ class FusedWeights:
                for mod in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)):
             raise ValueError("FusedWeights: MLP biases are not supported (mlp_bias=True); use kernels='hf'")
         self._dt = dt = self.dtype or next(m.parameters()).dtype
+        self.moved_bytes = 0  # bytes this build reads and writes (the `sync` phase's cost)
         heads, kv_heads = m.config.num_attention_heads, m.config.num_key_value_heads
         d = m.model.layers[0].self_attn.head_dim
 
@@ -214,6 +218,7 @@ class FusedWeights:
             norm = layer.post_attention_layernorm.weight.detach()
             torch.mul(gate.detach(), norm, out=wgu[: gate.shape[0]])
             torch.mul(up.detach(), norm, out=wgu[gate.shape[0]:])
+            self.moved_bytes += gate.nbytes + up.nbytes + wgu.nbytes
             layers.append(_Layer(
                 wqkv=self._qkv(f"{i}.qkv", a, layer.input_layernorm.weight, heads, kv_heads, d),
                 bqkv=bqkv,
@@ -228,7 +233,12 @@ class FusedWeights:
         lm_head_bias = None if bias is None else bias.detach().to(dt)
         if self.compute is not None and self.compute != dt:                    # the rounded values, widened
             self._dt = self.compute
-            widen = lambda name, t: None if t is None else self._buffer(name + ".w", tuple(t.shape), t).copy_(t)
+            def widen(name: str, t: Tensor | None) -> Tensor | None:
+                if t is None:
+                    return None
+                out = self._buffer(name + ".w", tuple(t.shape), t).copy_(t)
+                self.moved_bytes += t.nbytes + out.nbytes
+                return out
             layers = [_Layer(**{f: widen(f"{i}.{f}", getattr(lw, f)) for f in _Layer.__dataclass_fields__})
                       for i, lw in enumerate(layers)]
             embed, lm_head, lm_head_bias = widen("embed", embed), widen("lm_head", lm_head), widen("lm_bias", lm_head_bias)
@@ -236,6 +246,35 @@ class FusedWeights:
         self._projections = {}
         self.nbytes = sum(t.numel() * t.element_size() for lw in self.layers for t in (lw.wqkv, lw.wo, lw.wgu, lw.wd))
         self._key = key
+
+    def rebuild(self) -> int:
+        """Rebuild now, not at the next `refresh`: the copies, and the decode forms the last generate used
+        (same kinds and rows). Returns the bytes read and written — what moving the weights to the
+        engine cost (the stages time it as the `sync` phase). Never built yet: nothing to rebuild (0)."""
+        if self._key is None and not self.layers:
+            return 0
+        last = {kind: rows for kind, (rows, _, _) in self._projections.items()}
+        self.invalidate()
+        self.refresh()
+        moved = self.moved_bytes
+        for kind, rows in last.items():
+            layers, head = self.projections(kind, rows)
+            for proj in [head, *(p for lp in layers for p in (lp.qkv, lp.o, lp.gu, lp.d))]:
+                written = proj.packed.nbytes if proj.packed is not None else (proj.w.nbytes if kind == "mm" else 0)
+                moved += proj.w.nbytes + written
+        return moved
+
+    def resident_bytes(self) -> int:
+        """Bytes this engine holds beyond the model's own parameters: the fused copies and decode forms."""
+        own = {id(b) for b in self._buffers.values()}
+        total = sum(b.nbytes for b in self._buffers.values())
+        for _, layers, head in self._projections.values():
+            for proj in [head, *(p for lp in layers for p in (lp.qkv, lp.o, lp.gu, lp.d))]:
+                if proj.packed is not None:
+                    total += proj.packed.nbytes
+                elif proj.kind == "mm" and id(proj.w) not in own:
+                    total += proj.w.nbytes
+        return total
 
     def projections(self, kind: str, rows: int) -> tuple[list[_LayerProjections], MatmulForm]:
         """Every decode matmul in form `kind` for `rows` rows; the last build per kind is kept (packing

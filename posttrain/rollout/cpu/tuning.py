@@ -20,6 +20,9 @@ Non-CPU devices keep the static choice; `POSTTRAIN_MATMUL_TUNE=0` turns measurin
 Cache-resident weights (under `projections.PACK_MIN_BYTES`) were left on the static `mm` until our
 own packed matmul (form `c`, `ckernels.py`) beat MKL there too (tiny-1m's shapes at 64 rows, 2
 threads: 12–56 µs against 15–80 µs), so they are measured as well (~0.1 s for tiny-1m).
+Each choice keeps the machine's load average per core when it was measured; one made under load
+(≥ 0.5 per core) is measured again once the machine is quieter by 0.5 per core — the one case where a
+later run may choose differently (and round off differently) than the run that measured.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 
 from posttrain.rollout.cpu.interfaces import DecodeWeights
 from posttrain.rollout.cpu.projections import FORMS, make_projection, projection_kind
-from posttrain.telemetry.devices import cache_dir, cpu_name
+from posttrain.telemetry.devices import BUSY_PER_CORE, cache_dir, cpu_name, machine_load
 
 ENV_TUNE = "POSTTRAIN_MATMUL_TUNE"
 MARGIN = 0.05  # another form must beat the static choice by this much to replace it
@@ -129,13 +132,19 @@ def tuned_kind(weights: DecodeWeights, dtype: torch.dtype, rows: int, device: to
     entry = _read_cache().get(key)
     kind = entry.get("kind") if isinstance(entry, dict) else None
     measured = entry.get("us_per_pass") if isinstance(entry, dict) else None
-    # made again: a choice by an older `measure`, or among other forms than this build offers (a new one)
+    # made again: a choice by an older `measure`, or among other forms than this build offers (a new one),
+    # or one measured under load (≥ BUSY_PER_CORE per core) when the machine is now quieter by that much
+    # — the timings it compared were other jobs' noise as much as the forms' speed
+    load = entry.get("load_per_core") if isinstance(entry, dict) else None
+    under_load = isinstance(load, (int, float)) and load >= BUSY_PER_CORE \
+        and machine_load()["load_per_core"] < load - BUSY_PER_CORE
     if kind not in kinds or entry.get("method") != METHOD or not isinstance(measured, dict) \
-            or set(measured) != set(kinds):
+            or set(measured) != set(kinds) or under_load:
         seconds = measure(weights, kinds, bucket)
         fastest = min(seconds, key=seconds.get)
         kind = static if seconds.get(static, math.inf) <= seconds[fastest] * (1 + MARGIN) else fastest
         _write_cache(key, {"kind": kind, "static": static, "method": METHOD,
-                           "us_per_pass": {k: round(v * 1e6) for k, v in seconds.items()}})
+                           "us_per_pass": {k: round(v * 1e6) for k, v in seconds.items()},
+                           "load_per_core": round(machine_load()["load_per_core"], 2)})
     _memo[key] = kind
     return kind
