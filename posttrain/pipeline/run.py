@@ -1,17 +1,16 @@
 """Run a recipe: validate everything first, then the stages in order, evals between them, resume.
 
 Nothing is written before the recipe and every data file it names have been validated, so bad input
-never leaves a half-made run directory. The pipeline owns resume: a stage with a `final/` checkpoint is
-done and skipped; a stage with step checkpoints continues from the newest; metrics logged after that
-checkpoint by the killed run are dropped so the streams read as one uninterrupted run.
+never leaves a half-made run directory. The pipeline owns resume (pipeline/resume.py): every checkpoint
+is verified against its manifest first and one that fails is set aside; a stage with a `final/`
+checkpoint is done and skipped; a stage with step checkpoints continues from the newest; metrics logged
+after that checkpoint by the killed run are dropped so the streams read as one uninterrupted run.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,10 +22,11 @@ from rich.console import Console
 from posttrain.data import encode_sft_dataset, read_jsonl
 from posttrain.models import build_tiny, count_parameters, load_model, load_tokenizer, train_tokenizer
 from posttrain.models.tiny import PRESETS
-from posttrain.runtime.checkpoint import CheckpointError, final_checkpoint, latest_checkpoint, publish
-from posttrain.runtime.config import Recipe, dump_recipe
+from posttrain.runtime.checkpoint import final_checkpoint, publish
+from posttrain.runtime.config import Recipe
 from posttrain.runtime.context import RunContext, StageResult
 from posttrain.pipeline.evals import arithmetic_evals, as_json, pass_at_k_evals
+from posttrain.pipeline.resume import BASE, RunError, inspect_run_dir, prepare_run_dir
 from posttrain.tasks.records import EvalRecord
 from posttrain.stages.pretrain import run_pretrain
 from posttrain.stages.sft import run_sft
@@ -41,11 +41,7 @@ from posttrain.worlds.arithmetic import ArithmeticWorld
 STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft": run_sft, "grpo": run_grpo,
                                                  "rejection_sampling": run_rejection_sampling,
                                                  "reward_model": run_reward_model, "dpo": run_dpo, "ppo": run_ppo}
-BASE = "base"  # checkpoints/base: the initial model (built from scratch or loaded)
-
-
-class RunError(ValueError):
-    """A run that cannot start (existing folder, nothing to resume)."""
+__all__ = ["BASE", "RunError", "STAGES", "run_pipeline"]
 
 
 def record_kind(stage) -> str:
@@ -81,18 +77,6 @@ def check_model_init(recipe: Recipe) -> None:
     init = recipe.model.init
     if init not in PRESETS and not (Path(init) / "config.json").is_file():
         raise RunError(f"model.init: {init!r} is neither a tiny preset {sorted(PRESETS)} nor a folder with a config.json")
-
-
-def prepare_run_dir(run_dir: Path, *, resume: bool, fresh: bool) -> None:
-    if resume:
-        if not any((run_dir / "checkpoints").glob("*/*/trainer_state.json")) if (run_dir / "checkpoints").is_dir() else True:
-            raise CheckpointError(f"{run_dir}: --resume, but this folder holds no checkpoint to resume from")
-        return
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not fresh:
-            raise RunError(f"{run_dir}: already holds a run; pass --resume to continue it or --out for a new folder")
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def seed_everything(seed: int) -> None:
@@ -136,22 +120,6 @@ def save_base(model, tok, run_dir: Path) -> Path:
     return publish(run_dir / "checkpoints" / BASE / "final", write)
 
 
-def truncate_after(path: Path, keep: Callable[[dict], bool]) -> None:
-    """Rewrite a JSONL file keeping only records for which `keep` holds (atomic replace)."""
-    if not path.exists():
-        return
-    lines = []
-    for line in path.read_text().splitlines():
-        try:
-            if keep(json.loads(line)):
-                lines.append(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
-
-
 def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: bool = False,
                  console: Console | None = None, world: ArithmeticWorld | None = None) -> list[EvalRecord]:
     """Run the recipe's stages into `run_dir`, evaluating after each; returns every eval record.
@@ -162,31 +130,21 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
     check_model_init(recipe)
     seed_everything(recipe.seed)
     world = world or make_world(recipe)
-    base_done = final_checkpoint(run_dir / "checkpoints" / BASE) if resume else None
+    # Read-only first: the folder's recipe must be this one, and resume trusts only checkpoints that verify.
+    plan = inspect_run_dir(run_dir, recipe, resume=resume, fresh=fresh)
+    base_done = plan.base
     if base_done is not None:
         start, tokenizer = base_done, load_tokenizer(base_done)
-    else:
+    else:  # a new run, or a resume whose base checkpoint failed verification: built again, identically
         base_model, tokenizer = make_base(recipe, world, console)
     validate_inputs(recipe, tokenizer, run_dir)  # before anything is written
-    prepare_run_dir(run_dir, resume=resume, fresh=fresh)
-    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    prepare_run_dir(run_dir, plan, recipe, console)  # set aside / clear, recipe.yaml, drop rows after checkpoints
     if base_done is None:
         start = save_base(base_model, tokenizer, run_dir)
         tokenizer = load_tokenizer(start)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     device = torch.device(recipe.device)
-
-    # Resume: drop what the killed run logged after the checkpoint it will continue from.
-    done_stages = [s.folder for s in recipe.stages if final_checkpoint(run_dir / "checkpoints" / s.folder)]
-    for s in recipe.stages:
-        if s.folder in done_stages:
-            continue
-        ckpt = latest_checkpoint(run_dir / "checkpoints" / s.folder)
-        resumed_at = int(ckpt.name.split("-")[1]) if ckpt else 0
-        truncate_after(run_dir / "metrics.jsonl", lambda r, f=s.folder, k=resumed_at: r.get("stage") != f or r.get("step", 0) <= k)
-        truncate_after(run_dir / "phases.jsonl", lambda r, f=s.folder, k=resumed_at: r.get("stage") != f or r.get("step", 0) <= k)
-        break
 
     t0 = time.perf_counter()
     tc = recipe.telemetry

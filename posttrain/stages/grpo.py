@@ -256,8 +256,8 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
         sums["clip/high"] += f["clip_frac_high"] * share
         sums["clip/approx_kl"] += f["approx_kl"] * share
         ratio_max = max(ratio_max, f["ratio_max"])
-    grad_norm = optimizer_step(t, cfg.optim)
-    return {**sums, "clip/ratio_max": ratio_max, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0]}
+    grad_norm = optimizer_step(t, cfg.optim, {"loss/policy": sums["loss/policy"]})
+    return {**sums, **t.guard.metrics(), "clip/ratio_max": ratio_max, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0]}
 
 
 @torch.no_grad()
@@ -340,6 +340,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                             upd = update(ctx, cfg, t, b, ref_logps, variant, clip, engine.pad_id)
                         metrics.update(upd if it == 0 else {k: upd[k] for k in ("clip/low", "clip/high", "clip/approx_kl",
                                                                                     "clip/ratio_max", "train/grad_norm")})
+                        metrics.update(t.guard.metrics())
                     engine.update_weights(t.model)  # the next rollout samples the updated policy
                 metrics["train/seconds_per_rollout"] = time.perf_counter() - t0
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
