@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -206,6 +207,25 @@ def _space_needed(folder: Path, size_hint: int | None, written: int) -> int:
     return max(size_hint or 0, known, written)
 
 
+def write_failure(e: BaseException) -> str | None:
+    """`ERRNO: message` when `e` is a failed write (None: some other error, which is re-raised).
+
+    Writers report it three ways: an OSError (json, tokenizer files, fsync); safetensors' Rust writer
+    raises SafetensorError "… I/O error: No space left on device (os error 28)"; torch.save raises a
+    RuntimeError from its zip writer ("PytorchStreamWriter failed writing file …: file write failed", or
+    "[enforce fail at inline_container.cc] unexpected pos …" on a short write) with no errno at all."""
+    if isinstance(e, OSError):
+        return f"{errno.errorcode.get(e.errno or 0, type(e).__name__)}: {e.strerror or e}"
+    text = str(e)
+    if type(e).__name__ == "SafetensorError" and (m := re.search(r"os error (\d+)", text)):
+        code = int(m.group(1))
+        return f"{errno.errorcode.get(code, 'errno ' + str(code))}: {os.strerror(code)}"
+    if isinstance(e, RuntimeError) and any(k in text for k in ("PytorchStreamWriter", "inline_container", "file write failed")):
+        # torch's zip writer: "file write failed", or "unexpected pos N vs M" when a short write moved it
+        return "write failed: torch.save could not write the trainer state"
+    return None
+
+
 def publish(folder: Path, write: Callable[[Path], None], *, size_hint: int | None = None) -> Path:
     """Write a folder atomically: `write(tmp)` fills a temporary sibling, the manifest is added last,
     then one rename publishes it.
@@ -222,14 +242,18 @@ def publish(folder: Path, write: Callable[[Path], None], *, size_hint: int | Non
         write(tmp)
         write_manifest(tmp)
         _fsync_tree(tmp)
-    except OSError as e:
+    except Exception as e:  # any failure removes the partial folder; only a failed write becomes one line
+        what = write_failure(e)
         written = _tree_bytes(tmp) if tmp.exists() else 0
         shutil.rmtree(tmp, ignore_errors=True)
+        if what is None:
+            raise
         free = shutil.disk_usage(folder.parent).free
         need = _space_needed(folder, size_hint, written)
-        what = errno.errorcode.get(e.errno or 0, type(e).__name__)
+        if what.startswith("write failed") and free < need:  # torch.save gives no errno; the numbers say it
+            what = f"ENOSPC: No space left on device; {what}"
         raise CheckpointWriteError(
-            f"{folder}: checkpoint not written ({what}: {e.strerror or e}); the save needs about {_human(need)}, "
+            f"{folder}: checkpoint not written ({what}); the save needs about {_human(need)}, "
             f"{_human(free)} is free on that filesystem; the partial folder was removed and the previous "
             f"checkpoint is kept — free space (or move the run) and continue with --resume") from None
     if folder.exists():  # only `final` is ever re-published (a stage re-run); step folders are unique
@@ -239,14 +263,20 @@ def publish(folder: Path, write: Callable[[Path], None], *, size_hint: int | Non
     return folder
 
 
-def _state_bytes(obj: Any) -> int:
-    """Bytes of the tensors inside a (nested) state dict: what torch.save will write, near enough."""
+def _state_bytes(obj: Any, seen: set[tuple[int, int]] | None = None) -> int:
+    """Bytes of the tensors inside a (nested) state dict, each storage once (tied embeddings are one
+    tensor on disk): what save_pretrained and torch.save will write, near enough."""
+    seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
+        key = (obj.data_ptr(), obj.numel())
+        if key in seen:
+            return 0
+        seen.add(key)
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return sum(_state_bytes(v) for v in obj.values())
+        return sum(_state_bytes(v, seen) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(_state_bytes(v) for v in obj)
+        return sum(_state_bytes(v, seen) for v in obj)
     return 0
 
 
@@ -261,7 +291,8 @@ def save_checkpoint(stage_dir: Path, model, tokenizer, state: dict[str, Any], *,
         summary = {"step": step, "stage": state.get("stage"), "final": final}
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
 
-    size = _state_bytes(dict(model.state_dict())) + _state_bytes(state)
+    seen: set[tuple[int, int]] = set()
+    size = _state_bytes(dict(model.state_dict()), seen) + _state_bytes(state, seen)
     path = publish(stage_dir / name, write, size_hint=size)
     steps = sorted(stage_dir.glob("step-*"))
     for old in steps[:-keep_last]:

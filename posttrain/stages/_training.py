@@ -14,6 +14,7 @@ what went non-finite first and at which step); the last checkpoint written stays
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,7 +185,9 @@ def optimizer_step(t: Trainer, cfg: OptimConfig, losses: dict[str, float] | None
         if not bool(coef >= 1.0):
             torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)  # scales each p.grad
         t.optimizer.step()
-    t.scheduler.step()
+    with warnings.catch_warnings():  # a skipped step is meant: the schedule follows the step count
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+        t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
     t.step += 1
     if reason is not None:
