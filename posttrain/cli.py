@@ -115,7 +115,7 @@ def phases(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
 
 @app.command()
 def verify(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> None:
-    """Check every checkpoint of RUN_DIR against its manifest (sizes and BLAKE2b hashes); exit 2 on any failure."""
+    """Check every checkpoint of RUN_DIR against its manifest (sizes and SHA-256 hashes); exit 2 on any failure."""
     from rich.table import Table
 
     from posttrain.runtime.checkpoint import verify_run

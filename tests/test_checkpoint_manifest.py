@@ -30,9 +30,9 @@ def test_manifest_lists_every_file_with_size_and_hash(ckpt):
     files = {e["path"]: e for e in m["files"]}
     assert sorted(files) == ["config.json", "model.safetensors", "sub/x.bin"]  # the manifest does not list itself
     assert files["model.safetensors"]["bytes"] == 10_240                        # 256 × 40
-    assert files["sub/x.bin"]["blake2b"] == file_hash(ckpt / "sub" / "x.bin")
-    # hashlib's BLAKE2b-512 of b"abc" (RFC 7693, appendix A) starts ba80a53f981c4d0d
-    assert files["sub/x.bin"]["blake2b"].startswith("ba80a53f981c4d0d")
+    assert files["sub/x.bin"]["sha256"] == file_hash(ckpt / "sub" / "x.bin")
+    # SHA-256 of b"abc" (FIPS 180-2, appendix B.1) is ba7816bf 8f01cfea …
+    assert files["sub/x.bin"]["sha256"].startswith("ba7816bf8f01cfea")
     assert verify_checkpoint(ckpt) == []
     assert not list(ckpt.parent.glob(".tmp-*"))
 
@@ -46,7 +46,7 @@ def _flip(path: Path, at: int) -> None:
 @pytest.mark.parametrize(("damage", "file", "problem"), [
     ("half", "model.safetensors", "5,120 bytes, the manifest says 10,240 (truncated)"),
     ("empty", "model.safetensors", "0 bytes, the manifest says 10,240 (truncated)"),
-    ("flip", "model.safetensors", "content differs from the manifest (blake2b mismatch)"),
+    ("flip", "model.safetensors", "content differs from the manifest (sha256 mismatch)"),
     ("grow", "config.json", "9 bytes, the manifest says 8"),
     ("delete", "sub/x.bin", "missing"),
     ("no manifest", MANIFEST_FILE, "missing (not written by a complete save)"),

@@ -156,3 +156,21 @@ def test_resume_before_any_checkpoint_starts_over_with_the_same_recipe(tmp_path)
     (other / "notes.txt").write_text("mine")
     with pytest.raises(RunError, match="not a posttrain run folder"):  # never cleared
         inspect_run_dir(other, _recipe(), resume=True, fresh=False)
+
+
+def test_posttrain_verify_prints_a_table_and_exits_2_on_a_failure(reference, tmp_path):
+    from typer.testing import CliRunner
+
+    from posttrain.cli import app
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    ok = CliRunner().invoke(app, ["verify", str(run)], env={"COLUMNS": "300"})
+    # base/final + pretrain (step-000003, step-000006, final) + sft (the same three) = 1 + 3 + 3 = 7
+    assert ok.exit_code == 0 and "all 7 checkpoints verify" in ok.output, ok.output
+    _flip(run / "checkpoints" / "sft" / "step-000003" / "model.safetensors")
+    bad = CliRunner().invoke(app, ["verify", str(run)], env={"COLUMNS": "300"})
+    assert bad.exit_code == 2
+    row = next(ln for ln in bad.output.splitlines() if "sft/step-000003" in ln)
+    assert "model.safetensors: content differs from the manifest" in row
+    assert "1 of 7 checkpoints fail verification" in " ".join(bad.output.split())
