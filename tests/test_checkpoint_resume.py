@@ -174,3 +174,16 @@ def test_posttrain_verify_prints_a_table_and_exits_2_on_a_failure(reference, tmp
     row = next(ln for ln in bad.output.splitlines() if "sft/step-000003" in ln)
     assert "model.safetensors: content differs from the manifest" in row
     assert "1 of 7 checkpoints fail verification" in " ".join(bad.output.split())
+
+
+def test_a_kill_while_the_recipe_is_written_or_the_folder_cleared_still_resumes(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".recipe.yaml.tmp").write_text("name: t\nsee")                  # killed before the rename
+    plan = inspect_run_dir(run, _recipe(), resume=True, fresh=False)
+    assert not plan.clear and "nothing to resume yet" in plan.note
+    # killed while clearing a folder to start over: recipe.yaml is removed last, so it still reads as the run
+    (run / "recipe.yaml").write_text(yaml.safe_dump(_recipe().model_dump(mode="json"), sort_keys=False))
+    (run / "metrics.jsonl").write_text("")
+    plan = inspect_run_dir(run, _recipe(), resume=True, fresh=False)
+    assert plan.clear and plan.keep_recipe

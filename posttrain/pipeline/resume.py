@@ -36,6 +36,7 @@ from posttrain.runtime.checkpoint import (
 from posttrain.runtime.config import Recipe, dump_recipe
 
 RECIPE_FILE = "recipe.yaml"
+RECIPE_TMP = f".{RECIPE_FILE}.tmp"
 BASE = "base"  # checkpoints/base: the initial model (built from scratch or loaded)
 
 
@@ -49,6 +50,7 @@ class ResumePlan:
 
     resume: bool = False  # there are verified checkpoints to continue from
     clear: bool = False  # remove the folder's contents first (fresh, or a resume with nothing published)
+    keep_recipe: bool = False  # while clearing, leave recipe.yaml (it is this recipe) until it is rewritten
     note: str | None = None  # one line to print (why the run starts over)
     bad: dict[Path, list[Fault]] = field(default_factory=dict)  # checkpoints that failed verification
     base: Path | None = None  # the verified base checkpoint a resume reuses (None: build or load it again)
@@ -97,7 +99,8 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
 def inspect_run_dir(run_dir: Path, recipe: Recipe, *, resume: bool, fresh: bool) -> ResumePlan:
     """Decide what to do with `run_dir`, reading only. Raises RunError (a folder that holds another run,
     a different recipe) or CheckpointError (checkpoints, none of which verifies)."""
-    holds_something = run_dir.is_dir() and any(run_dir.iterdir())
+    # our own half-written recipe (a kill between mkdir and the rename) does not make a folder a run
+    holds_something = run_dir.is_dir() and any(p.name != RECIPE_TMP for p in run_dir.iterdir())
     if not resume:
         if holds_something and not fresh:
             if (run_dir / RECIPE_FILE).is_file():
@@ -113,8 +116,9 @@ def inspect_run_dir(run_dir: Path, recipe: Recipe, *, resume: bool, fresh: bool)
     check_same_recipe(run_dir, recipe)
     folders = checkpoint_folders(run_dir)
     if not folders:
-        return ResumePlan(clear=True, note=f"{run_dir}: the run stopped before its first checkpoint was published; "
-                                           f"starting it over (same recipe)")
+        return ResumePlan(clear=True, keep_recipe=True,
+                          note=f"{run_dir}: the run stopped before its first checkpoint was published; "
+                               f"starting it over (same recipe)")
     bad = {f: faults for f in folders if (faults := verify_checkpoint(f))}
     if len(bad) == len(folders):
         newest = max(bad, key=lambda p: p.stat().st_mtime)
@@ -136,12 +140,20 @@ def prepare_run_dir(run_dir: Path, plan: ResumePlan, recipe: Recipe, console: Co
     and drop the rows logged after the checkpoints each unfinished stage continues from."""
     if plan.note:
         console.print(f"[yellow]{plan.note}")
-    if plan.clear:
+    if plan.clear and not plan.keep_recipe:
         shutil.rmtree(run_dir)
+    elif plan.clear:  # recipe.yaml goes last (it is rewritten below): a kill while clearing leaves a folder
+        for p in run_dir.iterdir():  # that still reads as this run, and --resume clears it again
+            if p.name == RECIPE_FILE:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
     for folder, faults in plan.bad.items():
         console.print(f"[bold yellow]{fault_line(run_dir, folder, faults, set_aside(folder))}", highlight=False, soft_wrap=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{RECIPE_FILE}.tmp"
+    tmp = run_dir / RECIPE_TMP
     tmp.write_text(dump_recipe(recipe))
     os.replace(tmp, run_dir / RECIPE_FILE)  # a kill never leaves half a recipe
     if plan.resume:
