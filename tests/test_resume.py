@@ -13,7 +13,8 @@ resumed process; the last resume runs to the end. After every kill the folder's 
 verify and no (stage, step) row is duplicated; at the end every stage's final weights equal the
 uninterrupted run's bit for bit and every (stage, step) row is there exactly once.
 
-The default run kills 4 times (one chain); `-m slow` runs the 30-kill version (3 chains of 10).
+The default run kills 4 times (one chain, ~3 min on 2 loaded cores); the 30-kill version (3 chains of
+10) runs with `POSTTRAIN_THIRTY_KILLS=1 pytest -m slow -s tests/test_resume.py`.
 """
 
 from __future__ import annotations
@@ -175,6 +176,8 @@ def test_four_kills_across_the_pipeline_resume_bitwise(recipe, reference, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("POSTTRAIN_THIRTY_KILLS"),
+                    reason="30 SIGKILLs across a 4-stage run take ~10 min on 2 shared cores; set POSTTRAIN_THIRTY_KILLS=1")
 @pytest.mark.parametrize("chain", [0, 1, 2])
 def test_thirty_random_kills_resume_bitwise(recipe, reference, tmp_path, chain):
     _, rows = reference
