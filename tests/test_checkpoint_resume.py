@@ -76,7 +76,6 @@ def _flip(path: Path) -> None:
 
 DAMAGE = {
     "truncated weights": (lambda c: _cut(c / "model.safetensors", 0.5), "model.safetensors: "),
-    "empty weights": (lambda c: _cut(c / "model.safetensors", 0.0), "model.safetensors: 0 bytes"),
     "truncated trainer state": (lambda c: _cut(c / "trainer_state.pt", 0.3), "trainer_state.pt: "),
     "deleted file": (lambda c: (c / "tokenizer.json").unlink(), "tokenizer.json: missing"),
     "flipped byte": (lambda c: _flip(c / "model.safetensors"), "model.safetensors: content differs"),
@@ -110,6 +109,17 @@ def test_a_damaged_final_is_not_skipped_as_done(reference, tmp_path):
     for stage in ("pretrain", "sft"):
         ref, got = _weights(reference, stage), _weights(run, stage)
         assert all(bool((got[k] == v).all()) for k, v in ref.items()), stage
+    _assert_same_run(run, reference)
+
+
+def test_a_damaged_base_is_built_again_identically(reference, tmp_path):
+    run = _killed_copy(reference, tmp_path)
+    _flip(run / "checkpoints" / "base" / "final" / "model.safetensors")
+    text = _resume(run)
+    assert "checkpoints/base/final: model.safetensors: content differs from the manifest" in text
+    assert "built from scratch" in text                                # make_base ran again
+    ref, got = _weights(reference, "base"), _weights(run, "base")
+    assert all(bool((got[k] == v).all()) for k, v in ref.items())
     _assert_same_run(run, reference)
 
 
