@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from conftest import tiny_recipe_dict

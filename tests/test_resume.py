@@ -182,6 +182,7 @@ def test_five_kills_across_the_pipeline_resume_bitwise(recipe, reference, tmp_pa
                ("row", (grpo[-1], 0.05))]             # GRPO's last step: while its final is written
     out = tmp_path / "run"
     log = run_chain(recipe, out, moments)
+    print("\n  " + "\n  ".join(log))
     _assert_same_as_reference(out, reference, log)
 
 
