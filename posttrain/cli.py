@@ -32,11 +32,13 @@ def _guard(fn: Callable[[], T]) -> T:
     from posttrain.runtime.config import RecipeError
     from posttrain.pipeline.run import RunError
     from posttrain.report import ReportError
+    from posttrain.stages._training import NonFiniteError
     from posttrain.tasks import TaskError
 
     try:
         return fn()
-    except (RecipeError, DataError, CheckpointError, RunError, ModelLoadError, ReportError, TaskError) as e:
+    except (RecipeError, DataError, CheckpointError, RunError, ModelLoadError, ReportError, TaskError,
+            NonFiniteError) as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
@@ -172,6 +174,30 @@ def chat(
     session = _guard(lambda: open_session(checkpoint, system=system, temperature=temperature,
                                           max_new_tokens=max_new_tokens, seed=seed))
     chat_loop(session, console)
+
+
+@app.command()
+def verify(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> None:
+    """Check every checkpoint of RUN_DIR against its manifest (sizes and SHA-256 hashes); exit 2 on any failure."""
+    from rich.table import Table
+
+    from posttrain.runtime.checkpoint import verify_run
+
+    if not (run_dir / "checkpoints").is_dir():
+        console.print(f"[bold red]error:[/] {run_dir}: no checkpoints/ folder; not a run folder", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    rows = verify_run(run_dir)
+    table = Table("checkpoint", "files", "MB", "status", title=f"checkpoints of {run_dir}")
+    for v in rows:
+        status = "[green]ok" if not v.faults else "[red]" + "; ".join(str(f) for f in v.faults)
+        table.add_row(str(v.folder.relative_to(run_dir)), str(v.files), f"{v.bytes / 1e6:,.1f}", status)
+    console.print(table)
+    failed = sum(bool(v.faults) for v in rows)
+    if not rows or failed:
+        what = "no published checkpoint" if not rows else f"{failed} of {len(rows)} checkpoints fail verification"
+        console.print(f"[bold red]error:[/] {run_dir}: {what}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    console.print(f"all {len(rows)} checkpoints verify")
 
 
 if __name__ == "__main__":

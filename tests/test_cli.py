@@ -94,6 +94,20 @@ def test_bad_override_and_missing_recipe(tmp_path):
     _fails(["run", str(tmp_path / "missing.yaml")], "missing.yaml", "does not exist")
 
 
-def test_resume_from_a_folder_without_checkpoint(tmp_path):
-    (tmp_path / "empty").mkdir()
-    _fails(["run", str(_recipe(tmp_path)), "--out", str(tmp_path / "empty"), "--resume"], "holds no checkpoint")
+def test_resume_from_a_folder_that_is_not_a_run(tmp_path):
+    """--resume never clears a folder posttrain did not write (an empty or missing one just starts the run)."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    _fails(["run", str(_recipe(tmp_path)), "--out", str(tmp_path / "mine"), "--resume"], "not a posttrain run folder")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_changed_recipe_is_refused_naming_the_key(tmp_path):
+    from posttrain.runtime.config import dump_recipe, load_recipe
+
+    path = _recipe(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "recipe.yaml").write_text(dump_recipe(load_recipe(path, [])))  # killed before any checkpoint
+    for resume in ([], ["--resume"]):
+        _fails(["run", str(path), "stages.1.steps=10", "--out", str(tmp_path / "run"), *resume],
+               "run/recipe.yaml: this folder was run with a different recipe, first at stages.1.steps (folder: 8, now: 10)")

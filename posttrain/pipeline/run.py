@@ -1,17 +1,16 @@
 """Run a recipe: validate everything first, then the stages in order, evals between them, resume.
 
 Nothing is written before the recipe and every data file it names have been validated, so bad input
-never leaves a half-made run directory. The pipeline owns resume: a stage with a `final/` checkpoint is
-done and skipped; a stage with step checkpoints continues from the newest; metrics logged after that
-checkpoint by the killed run are dropped so the streams read as one uninterrupted run.
+never leaves a half-made run directory. The pipeline owns resume (pipeline/resume.py): every checkpoint
+is verified against its manifest first and one that fails is set aside; a stage with a `final/`
+checkpoint is done and skipped; a stage with step checkpoints continues from the newest; metrics logged
+after that checkpoint by the killed run are dropped so the streams read as one uninterrupted run.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,10 +23,11 @@ from posttrain.data import encode_sft_dataset, read_jsonl
 from posttrain.models import build_tiny, count_parameters, load_model, load_tokenizer, smollm2_135m_instruct, train_tokenizer
 from posttrain.models.tiny import PRESETS
 from posttrain.rollout.engine import backend_unavailable_reason
-from posttrain.runtime.checkpoint import CheckpointError, final_checkpoint, latest_checkpoint, publish
-from posttrain.runtime.config import Recipe, dump_recipe
+from posttrain.runtime.checkpoint import final_checkpoint, publish
+from posttrain.runtime.config import Recipe
 from posttrain.runtime.context import RunContext, StageResult, eval_plan, make_tasks
 from posttrain.pipeline.evals import as_json, run_evals
+from posttrain.pipeline.resume import BASE, RunError, inspect_run_dir, prepare_run_dir
 from posttrain.tasks import Capability, TaskSet
 from posttrain.tasks.base import RECORD_KINDS
 from posttrain.tasks.records import EvalRecord
@@ -44,13 +44,9 @@ from posttrain.telemetry.revision import Announcer
 STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft": run_sft, "grpo": run_grpo,
                                                  "rejection_sampling": run_rejection_sampling,
                                                  "reward_model": run_reward_model, "dpo": run_dpo, "ppo": run_ppo}
-BASE = "base"  # checkpoints/base: the initial model (built from scratch or loaded)
 # `model.init` names a built-in checkpoint resolved offline (no hub): the name → a function returning its folder
 NAMED_CHECKPOINTS: dict[str, Callable[[], Path]] = {"smollm2-135m-instruct": smollm2_135m_instruct}
-
-
-class RunError(ValueError):
-    """A run that cannot start (existing folder, nothing to resume)."""
+__all__ = ["BASE", "RunError", "STAGES", "run_pipeline"]
 
 
 def record_kind(stage) -> str:
@@ -112,18 +108,6 @@ def check_backends(recipe: Recipe) -> None:
             raise RunError(f"stages[{i}].backend: {backend!r}, but {reason}")
 
 
-def prepare_run_dir(run_dir: Path, *, resume: bool, fresh: bool) -> None:
-    if resume:
-        if not any((run_dir / "checkpoints").glob("*/*/trainer_state.json")) if (run_dir / "checkpoints").is_dir() else True:
-            raise CheckpointError(f"{run_dir}: --resume, but this folder holds no checkpoint to resume from")
-        return
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not fresh:
-            raise RunError(f"{run_dir}: already holds a run; pass --resume to continue it or --out for a new folder")
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -164,22 +148,6 @@ def save_base(model, tok, run_dir: Path) -> Path:
     return publish(run_dir / "checkpoints" / BASE / "final", write)
 
 
-def truncate_after(path: Path, keep: Callable[[dict], bool]) -> None:
-    """Rewrite a JSONL file keeping only records for which `keep` holds (atomic replace)."""
-    if not path.exists():
-        return
-    lines = []
-    for line in path.read_text().splitlines():
-        try:
-            if keep(json.loads(line)):
-                lines.append(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
-
-
 def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: bool = False,
                  console: Console | None = None, world=None) -> list[EvalRecord]:
     """Run the recipe's stages into `run_dir`, evaluating after each; returns every eval record.
@@ -192,36 +160,26 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
     check_backends(recipe)
     seed_everything(recipe.seed)
     tasks = make_tasks(recipe, world)
-    plan = eval_plan(recipe, tasks)
-    base_done = final_checkpoint(run_dir / "checkpoints" / BASE) if resume else None
+    evals_plan = eval_plan(recipe, tasks)
+    # Read-only first: the folder's recipe must be this one, and resume trusts only checkpoints that verify.
+    plan = inspect_run_dir(run_dir, recipe, resume=resume, fresh=fresh)
+    base_done = plan.base
     if base_done is not None:
         start, tokenizer = base_done, load_tokenizer(base_done)
-    else:
+    else:  # a new run, or a resume whose base checkpoint failed verification: built again, identically
         base_model, tokenizer = make_base(recipe, tasks, console)
     for name in tasks.names:
         console.print(f"[dim]{tasks.get(name).describe()}")
-    if not plan:
+    if not evals_plan:
         console.print("[dim]evals: none (the recipe names no `evals`)")
     validate_inputs(recipe, tokenizer, run_dir, tasks)  # before anything is written
-    prepare_run_dir(run_dir, resume=resume, fresh=fresh)
-    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    prepare_run_dir(run_dir, plan, recipe, console)  # set aside / clear, recipe.yaml, drop rows after checkpoints
     if base_done is None:
         start = save_base(base_model, tokenizer, run_dir)
         tokenizer = load_tokenizer(start)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     device = torch.device(recipe.device)
-
-    # Resume: drop what the killed run logged after the checkpoint it will continue from.
-    done_stages = [s.folder for s in recipe.stages if final_checkpoint(run_dir / "checkpoints" / s.folder)]
-    for s in recipe.stages:
-        if s.folder in done_stages:
-            continue
-        ckpt = latest_checkpoint(run_dir / "checkpoints" / s.folder)
-        resumed_at = int(ckpt.name.split("-")[1]) if ckpt else 0
-        truncate_after(run_dir / "metrics.jsonl", lambda r, f=s.folder, k=resumed_at: r.get("stage") != f or r.get("step", 0) <= k)
-        truncate_after(run_dir / "phases.jsonl", lambda r, f=s.folder, k=resumed_at: r.get("stage") != f or r.get("step", 0) <= k)
-        break
 
     t0 = time.perf_counter()
     tc = recipe.telemetry
@@ -234,11 +192,11 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
 
     def evaluate(stage: str, checkpoint: Path, steps: int) -> None:
         # Between-stage evals are decode work: each generation batch is an `eval` phase with its cost.
-        if not plan:
+        if not evals_plan:
             return
         model = load_model(checkpoint, device=device)
         where = str(checkpoint.relative_to(run_dir))
-        stage_records = run_evals(plan, model, tokenizer, stage=stage, checkpoint=where,
+        stage_records = run_evals(evals_plan, model, tokenizer, stage=stage, checkpoint=where,
                                   phase=lambda: telemetry.phase("eval", stage=stage, step=steps))
         with evals_path.open("a") as f:
             for r in as_json(stage_records):
@@ -247,7 +205,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
     try:
         # A loaded model is evaluated before the first stage: the "before" of every gain the run reports
         # (a model built from scratch is random and is not).
-        if plan and recipe.model.init not in PRESETS and not any(r.stage == BASE for r in read_evals(evals_path)):
+        if evals_plan and recipe.model.init not in PRESETS and not any(r.stage == BASE for r in read_evals(evals_path)):
             evaluate(BASE, start, 0)
         for index, stage in enumerate(recipe.stages):
             ctx = RunContext(run_dir=run_dir, recipe=recipe, device=device, tokenizer=tokenizer, tasks=tasks,

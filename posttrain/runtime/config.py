@@ -81,6 +81,7 @@ class OptimConfig(Strict):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
     fused: bool | None = Field(None, description="AdamW's fused kernel (true), the single-tensor loop (false), or by model size (null: fused from 10M parameters)")
+    max_nonfinite_skips: int = Field(3, ge=1, description="optimizer steps in a row skipped for a NaN/inf loss or gradient norm before the stage stops")
 
 
 class TrainStage(Strict):

@@ -1,15 +1,22 @@
-"""What the optimizer-driven stages share, as functions: AdamW, warmup + cosine, and resumable state.
+"""What the optimizer-driven stages share, as functions: AdamW, warmup + cosine, resumable state, and
+the numeric guard.
 
 Resume is exact: a checkpoint holds the weights, the optimizer and scheduler state, every RNG state
 and the stage's data position, so a run killed at any moment and resumed ends on the same weights, bit
 for bit on the CPU with a fixed seed and thread count (tests/test_resume.py kills real runs to prove it).
+
+Numeric guard: `optimizer_step` skips the step when a loss the stage passes or the gradient norm is
+not finite — no parameter, optimizer moment or gradient of that step survives — counts it, says why,
+and after `optim.max_nonfinite_skips` skips in a row stops the stage (`NonFiniteError`, one line naming
+what went non-finite first and at which step); the last checkpoint written stays the newest.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +64,54 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_step
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+class NonFiniteError(ValueError):
+    """A stage stopped because too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+@dataclass
+class NumericGuard:
+    """Optimizer steps skipped for a non-finite loss or gradient norm: counted, with the reason kept."""
+
+    limit: int = 3  # skips in a row that stop the stage
+    skipped: int = 0  # skipped steps in the whole stage (resumed runs carry the count on)
+    in_a_row: int = 0
+    first: str | None = None  # what went non-finite first in the current run of skips, and at which step
+    reason: str | None = None  # why the latest step was skipped (None: it was taken)
+
+    def check(self, step: int, losses: dict[str, float], grad_norm: float) -> str | None:
+        """Why step `step` must be skipped, or None when every value is finite. Losses are named first:
+        a NaN loss makes the gradient NaN too, and the loss term is the cause worth naming."""
+        for name, value in losses.items():
+            if not math.isfinite(value):
+                return f"{name} = {value} at step {step}"
+        if not math.isfinite(grad_norm):
+            return f"gradient norm = {grad_norm} at step {step}"
+        return None
+
+    def record(self, reason: str | None) -> None:
+        self.reason = reason
+        if reason is None:
+            self.in_a_row, self.first = 0, None
+            return
+        self.skipped += 1
+        self.in_a_row += 1
+        self.first = self.first or reason
+
+    def metrics(self) -> dict[str, float | str]:
+        """This step's metrics.jsonl keys: the running count, whether this step was skipped, and why."""
+        out: dict[str, float | str] = {"train/skipped_steps": float(self.skipped),
+                                       "train/step_skipped": float(self.reason is not None)}
+        if self.reason is not None:
+            out["train/skip_reason"] = self.reason
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped": self.skipped, "in_a_row": self.in_a_row, "first": self.first}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped, self.in_a_row, self.first = int(state["skipped"]), int(state["in_a_row"]), state["first"]
+
+
 @dataclass
 class Trainer:
     """The model, its optimizer and schedule, and where the stage resumes from."""
@@ -66,6 +121,10 @@ class Trainer:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     step: int  # optimizer steps already taken
     data_state: dict[str, Any] | None  # the stage's data position, as it saved it
+    guard: NumericGuard = field(default_factory=NumericGuard)
+    name: str = "stage"  # the stage's folder, for messages
+    stage_dir: Path | None = None  # where its checkpoints go (None: a test's bare trainer)
+    say: Callable[[str], None] = field(default=print, repr=False)  # the run's console
 
 
 def start_or_resume(ctx: RunContext, cfg: TrainStage,
@@ -79,14 +138,19 @@ def start_or_resume(ctx: RunContext, cfg: TrainStage,
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = warmup_cosine(optimizer, cfg.optim, cfg.steps)
+    t = Trainer(model, optimizer, scheduler, step=0, data_state=None, guard=NumericGuard(cfg.optim.max_nonfinite_skips),
+                name=cfg.folder, stage_dir=ctx.stage_dir(cfg.folder), say=ctx.console.print)
     if resume_from is None:
-        return Trainer(model, optimizer, scheduler, step=0, data_state=None)
+        return t
     state = load_state(resume_from)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
+    if "guard" in state:
+        t.guard.load_state_dict(state["guard"])
     ctx.console.print(f"[yellow]resuming {cfg.folder} from {resume_from.name} (step {state['step']})")
-    return Trainer(model, optimizer, scheduler, step=int(state["step"]), data_state=state.get("data"))
+    t.step, t.data_state = int(state["step"]), state.get("data")
+    return t
 
 
 def save(ctx: RunContext, cfg: TrainStage, t: Trainer, *, data_state: dict[str, Any] | None, final: bool = False) -> Path:
@@ -96,23 +160,43 @@ def save(ctx: RunContext, cfg: TrainStage, t: Trainer, *, data_state: dict[str, 
         "optimizer": t.optimizer.state_dict(),
         "scheduler": t.scheduler.state_dict(),
         "data": data_state,
+        "guard": t.guard.state_dict(),
     }
     return save_checkpoint(ctx.stage_dir(cfg.folder), t.model, ctx.tokenizer, state, keep_last=cfg.keep_last, final=final)
 
 
-def optimizer_step(t: Trainer, cfg: OptimConfig) -> float:
-    """Clip, step, schedule, zero. Returns the pre-clip gradient norm (a device sync point).
+def optimizer_step(t: Trainer, cfg: OptimConfig, losses: dict[str, float] | None = None) -> float:
+    """Guard, clip, step, schedule, zero. Returns the pre-clip gradient norm (a device sync point).
 
-    The clip is `clip_grad_norm_`'s — gradients × min(1, limit / (norm + 1e-6)) — except that a factor of
-    exactly 1 (every norm up to ~1e-6 below the limit) skips the multiply, a pass over all gradients
-    that would leave them bitwise as they are; a NaN norm still scales (NaN everywhere, as torch does)."""
+    The guard: when a value of `losses` (the stage's loss terms of this step, by metric name) or the
+    gradient norm is NaN or ±inf, the optimizer step is skipped — the gradients are dropped, parameters
+    and AdamW moments stay as they were — while the step count and the schedule move on (the lr follows
+    the step number); `t.guard` counts it and keeps the reason, and `cfg.max_nonfinite_skips` skips in a
+    row raise NonFiniteError. The clip is `clip_grad_norm_`'s — gradients × min(1, limit / (norm + 1e-6))
+    — except that a factor of exactly 1 (every norm up to ~1e-6 below the limit) skips the multiply, a
+    pass over all gradients that would leave them bitwise as they are."""
     params = [p for p in t.model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    coef = cfg.grad_clip / (grad_norm + 1e-6)                              # as torch computes it
-    if not bool(coef >= 1.0):
-        torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)  # scales each p.grad
-    t.optimizer.step()
-    t.scheduler.step()
+    norm = float(grad_norm)                                                # device sync point
+    reason = t.guard.check(t.step + 1, losses or {}, norm)
+    t.guard.record(reason)
+    if reason is None:
+        coef = cfg.grad_clip / (grad_norm + 1e-6)                          # as torch computes it
+        if not bool(coef >= 1.0):
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)  # scales each p.grad
+        t.optimizer.step()
+    with warnings.catch_warnings():  # a skipped step is meant: the schedule follows the step count
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+        t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
     t.step += 1
-    return float(grad_norm)
+    if reason is not None:
+        g = t.guard
+        t.say(f"[bold yellow]{t.name}: optimizer step {t.step} skipped: {reason} is not finite "
+              f"({g.in_a_row} in a row, {g.skipped} in this stage; the stage stops at {g.limit} in a row)")
+        if g.in_a_row >= g.limit:
+            kept = latest_checkpoint(t.stage_dir) if t.stage_dir is not None else None
+            where = f"{kept} is the newest checkpoint kept" if kept else "no checkpoint of this stage was written; it restarts from its start on --resume"
+            raise NonFiniteError(f"{t.name}: stopped after {g.in_a_row} optimizer steps in a row with non-finite values; "
+                                 f"first: {g.first}; {where}")
+    return norm

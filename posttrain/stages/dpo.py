@@ -199,9 +199,9 @@ def run_dpo(cfg: DPOStage, ctx: RunContext) -> StageResult:
                     loss.backward()
                     total += loss.item()
                     parts.append(stats.as_floats())
-                grad_norm = optimizer_step(t, cfg.optim)
+                grad_norm = optimizer_step(t, cfg.optim, {f"loss/{cfg.loss}": total})
             metrics = {f"loss/{cfg.loss}": total, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0],
-                       "train/pairs_per_s": len(batch) / (time.perf_counter() - t0)}
+                       "train/pairs_per_s": len(batch) / (time.perf_counter() - t0), **t.guard.metrics()}
             metrics.update({METRIC_NAMES.get(k, f"train/{k}"): sum(p[k] for p in parts) / len(parts) for k in parts[0]})
             if step == cfg.steps and gold is not None:
                 metrics.update(gold_head_to_head(ctx, cfg, gold, t.model, step))

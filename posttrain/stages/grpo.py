@@ -255,8 +255,8 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
         sums["clip/high"] += f["clip_frac_high"] * share
         sums["clip/approx_kl"] += f["approx_kl"] * share
         ratio_max = max(ratio_max, f["ratio_max"])
-    grad_norm = optimizer_step(t, cfg.optim)
-    return {**sums, "clip/ratio_max": ratio_max, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0]}
+    grad_norm = optimizer_step(t, cfg.optim, {"loss/policy": sums["loss/policy"]})
+    return {**sums, **t.guard.metrics(), "clip/ratio_max": ratio_max, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0]}
 
 
 @torch.no_grad()
@@ -339,6 +339,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                             upd = update(ctx, cfg, t, b, ref_logps, variant, clip, engine.pad_id)
                         metrics.update(upd if it == 0 else {k: upd[k] for k in ("clip/low", "clip/high", "clip/approx_kl",
                                                                                     "clip/ratio_max", "train/grad_norm")})
+                        metrics.update(t.guard.metrics())
                     with ctx.phase("sync", stage=stage, step=step) as ph:  # the next rollout samples the updated policy
                         ph.cost = costs.Cost(bytes=engine.sync_weights(t.model))
                     if step == cfg.mu:  # once: what the phases' memory peaks are made of

@@ -74,10 +74,10 @@ def run_pretrain(cfg: PretrainStage, ctx: RunContext) -> StageResult:
                         loss, n = lm_loss(t.model, chunk)
                     (loss / tokens_per_step).backward()  # normalizer = tokens of the whole step
                     total += loss.item()
-                grad_norm = optimizer_step(t, cfg.optim)
+                grad_norm = optimizer_step(t, cfg.optim, {"loss/lm": total / tokens_per_step})
             metrics = {"loss/lm": total / tokens_per_step, "train/grad_norm": grad_norm,
                        "train/lr": t.scheduler.get_last_lr()[0],
-                       "train/tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
+                       "train/tokens_per_s": tokens_per_step / (time.perf_counter() - t0), **t.guard.metrics()}
             if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
                 with ctx.phase("eval", stage="pretrain", step=step):
                     metrics["eval/loss"] = heldout_loss(t.model, val_rows)

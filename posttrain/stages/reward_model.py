@@ -207,9 +207,9 @@ def run_reward_model(cfg: RewardModelStage, ctx: RunContext) -> StageResult:
                     loss.backward()
                     total += loss.item()
                     parts.append(stats.as_floats())
-                grad_norm = optimizer_step(t, cfg.optim)
+                grad_norm = optimizer_step(t, cfg.optim, {"loss/reward_model": total})
             metrics = {"loss/reward_model": total, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0],
-                       "train/sequences_per_s": rows / (time.perf_counter() - t0)}
+                       "train/sequences_per_s": rows / (time.perf_counter() - t0), **t.guard.metrics()}
             metrics.update({f"train/{k}": sum(p[k] for p in parts) / len(parts) for k in parts[0]})
             if val and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps):
                 with ctx.phase("eval", stage=cfg.folder, step=step):

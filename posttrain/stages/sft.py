@@ -111,10 +111,10 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
                         loss, _ = sft_batch_loss(t.model, chunk, tok.pad_token_id, num_tokens)
                     loss.backward()
                     total += loss.item()
-                grad_norm = optimizer_step(t, cfg.optim)
+                grad_norm = optimizer_step(t, cfg.optim, {"loss/sft": total})
             metrics = {"loss/sft": total, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0],
                        "train/tokens_per_s": padded / (time.perf_counter() - t0),
-                       "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch}
+                       "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch, **t.guard.metrics()}
             if val and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps):
                 with ctx.phase("eval", stage="sft", step=step):
                     metrics["eval/loss"] = heldout_loss(t.model, val, tok.pad_token_id)
