@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="prompts per generate call")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dump", type=Path, default=None, help="write every completion and its scores (JSONL)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -118,6 +119,11 @@ def main() -> None:
     print(f"strict (old):  mean {statistics.fmean(old):.3f}, "
           f"groups with non-zero variance {frac_old:.3f} ({round(frac_old * n_groups)}/{n_groups})")
     print("finish reasons:", dict(Counter(finish)))
+    if args.dump is not None:
+        with args.dump.open("w", encoding="utf-8") as f:
+            for j, (text, gold, s, o) in enumerate(zip(texts, golds, scores, old)):
+                f.write(json.dumps({"group": j // args.group_size, "gold": gold, "text": text,
+                                    "math": s, "strict": o}) + "\n")
     print("first completions of group 0 (gold " + golds[0] + "):")
     for text, s, o in list(zip(texts, scores, old))[: args.group_size]:
         print(f"  math={s} strict={o}  {text[:70]!r}")
