@@ -1,7 +1,7 @@
 """GRPO on a real pretrained chat model over a user's problem file: SmolLM2-135M-Instruct, 2-digit additions.
 
-    python benchmarks/smollm2_grpo.py [--steps 8] [--prompts 4] [--group 4] [--lr 1e-6] [--threads 2]
-        [--out runs/smollm2-grpo]
+    python benchmarks/smollm2_grpo.py [--steps 8] [--prompts 4] [--group 4] [--lr 1e-6] [--heldout 200]
+        [--threads 2] [--out runs/smollm2-grpo]
 
 1. Writes the user's files in our `problem` schema (docs/data.md): `train.jsonl` (2,000 problems) and
    `heldout.jsonl` (200 others, no (a, b) pair shared), each "Compute A + B. Reply with the number only."
@@ -81,12 +81,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
     ap.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--heldout", type=int, default=200, help="held-out problems")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("runs/smollm2-grpo"))
     args = ap.parse_args()
 
     start = smollm2_135m_instruct()
-    train, heldout = write_problems(args.out.parent / f"{args.out.name}-data")
+    train, heldout = write_problems(args.out.parent / f"{args.out.name}-data", n_heldout=args.heldout)
     before = accuracies(start, heldout, args.threads)
     print("before:", {k: f"{statistics.mean(v):.1%}" for k, v in before.items() if k != "examples"},
           "e.g.", before["examples"])
