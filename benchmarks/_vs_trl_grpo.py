@@ -79,6 +79,8 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
     from posttrain.runtime.context import RunContext
     from posttrain.stages.grpo import run_grpo
     from posttrain.telemetry import Telemetry
+    from posttrain.tasks import TaskSet
+    from posttrain.tasks.arithmetic import ArithmeticTask
     from posttrain.worlds.arithmetic import ArithmeticWorld
 
     torch.set_num_threads(threads)
@@ -103,7 +105,7 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
         # the stage's phases timed (a clock read each; no busy sampler, no files): the split below
         telemetry = Telemetry.open(None, device="cpu", dtype=torch.bfloat16 if bf16 else torch.float32, busy=False)
         ctx = RunContext(run_dir=Path(run_dir), recipe=recipe, device=torch.device("cpu"),
-                         tokenizer=load_tokenizer(model_dir), world=ArithmeticWorld(seed=0),
+                         tokenizer=load_tokenizer(model_dir), tasks=TaskSet.of(ArithmeticTask(world=ArithmeticWorld(seed=0))),
                          telemetry=telemetry, sink=Sink(), start=model_dir, console=Console(quiet=True))
         base = _rss_mib()
         run_grpo(recipe.stages[0], ctx)

@@ -85,11 +85,12 @@ def main() -> None:
     console.print(f"GRPO stage ({rl.stages[0].steps} steps): {stage_s:.0f} s of rollouts and updates; "
                   f"run with before/after evals {total:.0f} s; {a.threads} threads; seed {a.seed}")
     rows = []
-    for level in rl.eval.levels:
-        problems = world.eval_problems(level)[: rl.eval.per_level]
+    spec = rl.evals[0]  # {task: arithmetic, levels: …, per_level: 1000}
+    for level in spec.levels or ["L1", "L2", "L3", "L4"]:
+        problems = world.eval_problems(level)[: spec.per_level_or_default]
         clean = [p for p in problems if Fact(p["a"], p["op"], p["b"]) not in seen]
-        before = correct(start, clean, rl.eval.max_new_tokens)
-        after = correct(end, clean, rl.eval.max_new_tokens)
+        before = correct(start, clean, spec.max_new_tokens)
+        after = correct(end, clean, spec.max_new_tokens)
         n = len(clean)
         d = [int(y) - int(x) for x, y in zip(before, after)]
         p0, p1 = sum(before) / n, sum(after) / n

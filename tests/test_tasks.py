@@ -114,10 +114,13 @@ def test_arithmetic_task_records_are_the_worlds(world):
     assert task.gold_rewards([p, p, p, Problem("hi")], [p.answer, "0", p.answer, "1"], ["stop", "stop", "length", "stop"]) == [1.0, 0.0, 0.0, None]
 
 
-def test_code_task_problems_pass_their_own_references():
+def test_code_task_serves_the_code_world_problems():
+    from posttrain.worlds.code import problem_rows
+
     task = CodeTask()
     probs = task.eval_problems("function")
-    assert len(probs) >= 3 and all(p.tests for p in probs) and task.levels == ("function", "stdio")
+    assert [p.prompt for p in probs] == [r["prompt"] for r in problem_rows("function")] and all(p.tests for p in probs)
+    assert task.levels == ("function", "stdio") and len(task.records("problem", 30)) == 30  # cycles through its 12
 
 
 # ---- evals by hand -------------------------------------------------------------------------------

@@ -59,11 +59,33 @@ def test_smollm2_own_data_one_step_per_stage(tmp_path, monkeypatch, smollm2, no_
     pairs = (ROOT / "recipes/data/smollm2/dpo.jsonl").read_text().splitlines()[:4]
     (tmp_path / "dpo4.jsonl").write_text("\n".join(pairs) + "\n")
     run_dir = run_smollm2(tmp_path, monkeypatch, smollm2, [
-        "evals.0.per_level=2", "evals.0.batch_size=4",
-        "stages.0.steps=1", "stages.0.batch_size=2", "stages.0.save_every=1",
+        "telemetry.measure_cpu=false",  # the CPU roofline measurement is telemetry's (minutes on a loaded machine)
+        "evals.0.per_level=1", "evals.0.batch_size=4", "evals.0.max_new_tokens=3",
+        "stages.0.steps=1", "stages.0.batch_size=2", "stages.0.save_every=1", "stages.0.log_every=1",
         f"stages.1.data.0.path={tmp_path / 'dpo4.jsonl'}", "stages.1.steps=1", "stages.1.batch_size=2", "stages.1.save_every=1",
-        "stages.2.steps=1", "stages.2.batch_size=4", "stages.2.group_size=2", "stages.2.save_every=1", "stages.2.max_new_tokens=4"])
-    check_run(run_dir, per_level=2)
+        "stages.2.steps=1", "stages.2.batch_size=4", "stages.2.group_size=2", "stages.2.save_every=1", "stages.2.max_new_tokens=3"])
+    check_run(run_dir, per_level=1)
+    from posttrain.report import write_report
+
+    open_in_browser(write_report(run_dir), tmp_path / "report-smollm2.png")
+
+
+def open_in_browser(report: Path, shot: Path) -> None:
+    """The report in headless chromium (tests/test_report_browser.py's setup): no console error, every chart drawn."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no `playwright install`)")
+    from test_report_browser import ARGS, CHROMIUM, _charts_drawn, _open
+
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not found: apt-get install -y chromium")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        page, errors = _open(browser, report, shot.parent)
+        drawn = _charts_drawn(page)
+        assert "evals-fig" in [i for i, _ in drawn] and all(n > 0 for _, n in drawn), drawn
+        assert page.locator(".node .node-name").all_inner_texts()[1:] == ["sft", "dpo", "grpo"]
+        page.screenshot(path=str(shot), full_page=True)
+        browser.close()
+    assert errors == []
 
 
 @pytest.mark.slow
@@ -71,3 +93,6 @@ def test_smollm2_own_data_recipe_as_shipped(tmp_path, monkeypatch, smollm2, no_w
     run_dir = run_smollm2(tmp_path, monkeypatch, smollm2, [])
     recipe = load_recipe(RECIPE)
     check_run(run_dir, per_level=recipe.evals[0].per_level or 0)
+    from posttrain.report import write_report
+
+    open_in_browser(write_report(run_dir), tmp_path / "report-smollm2.png")

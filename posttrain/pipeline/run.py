@@ -114,6 +114,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def make_world(recipe: Recipe):
+    """An arithmetic world as the recipe's `arithmetic` task would build it (it holds out at least the
+    largest arithmetic eval's `per_level` problems per level) — for callers that pass it back in as
+    `run_pipeline(world=…)` to read its `drawn` set afterwards."""
+    from posttrain.worlds.arithmetic import ArithmeticWorld
+
+    return ArithmeticWorld(seed=recipe.world_seed,
+                           eval_per_level=max(ArithmeticWorld.eval_per_level, recipe.arithmetic_eval_per_level()))
+
+
 def tokenizer_texts(tasks: TaskSet) -> list[str]:
     """What a from-scratch tokenizer is trained on: the texts of every recipe task that has some."""
     texts = [t for name in tasks.names if tasks.get(name).has(Capability.TOKENIZER) for t in tasks.get(name).tokenizer_texts()]
