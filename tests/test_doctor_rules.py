@@ -36,8 +36,10 @@ def sev(findings) -> Severity | None:
 
 # ---- statistics ------------------------------------------------------------------------------------
 def test_noise_and_slope_by_hand():
-    # x = 0, 1, 0, 1, …: differences ±1, |d − median| = 1 → MAD 1 → σ_d = 1.4826 → noise = 1.4826/√2 = 1.0484
-    assert noise([0, 1, 0, 1, 0, 1, 0]) == pytest.approx(1.4826 / math.sqrt(2))
+    # x = 0, 1, 0, 1, 0, 1, 0, 1: second differences −2, 2, −2, 2, −2, 2 → median 0, MAD 2 → σ = 2.9652 → /√6 = 1.2105
+    assert noise([0, 1, 0, 1, 0, 1, 0, 1]) == pytest.approx(1.4826 * 2 / math.sqrt(6))
+    # a straight line (a loss falling steadily) has no noise: its second differences are 0
+    assert noise([5.0 - 0.3 * i for i in range(10)]) == pytest.approx(0.0, abs=1e-12)
     # a line 2·t + 1 with one outlier: Theil–Sen still reads slope 2
     assert theil_sen([0, 1, 2, 3, 4, 5], [1, 3, 5, 100, 9, 11]) == pytest.approx(2.0)
 

@@ -19,9 +19,11 @@ from posttrain.doctor.streams import StageStream
 class DoctorStop(RuntimeError):
     """The live doctor stopped a stage: `finding` is why."""
 
-    def __init__(self, finding: Finding) -> None:
-        super().__init__(f"doctor stopped {finding.stage} at step {finding.first_step}: {finding.rule} — {finding.summary}")
+    def __init__(self, finding: Finding, at_step: int) -> None:
+        super().__init__(f"doctor stopped {finding.stage} at step {at_step}: {finding.rule} ({finding.severity.value}, "
+                         f"from step {finding.first_step}) — {finding.summary}")
         self.finding = finding
+        self.at_step = at_step
 
 
 @dataclass
@@ -85,7 +87,7 @@ class LiveDoctor:
             self.say(f.plain())
         stop = next((f for f in new if at_least(f.severity, self.stop_on)), None)
         if stop is not None:
-            raise DoctorStop(stop)
+            raise DoctorStop(stop, self._stage.last_step)
         return new
 
     def check_run(self, findings: list[Finding]) -> None:
@@ -96,7 +98,7 @@ class LiveDoctor:
             self.say(f.plain())
         stop = next((f for f in new if at_least(f.severity, self.stop_on)), None)
         if stop is not None:
-            raise DoctorStop(stop)
+            raise DoctorStop(stop, stop.first_step)
 
     def cost_json(self) -> dict[str, dict[str, float]]:
         return {k: v.to_json() for k, v in self.cost.items()}

@@ -36,13 +36,17 @@ def mad_sigma(xs: Sequence[float]) -> float:
 
 
 def noise(values: Sequence[float]) -> float:
-    """Point-to-point noise of a curve: robust σ of its first differences / √2 (a trend barely moves it).
+    """Point-to-point noise of a curve: robust σ of its second differences / √6.
 
-    For x_i = trend + ε_i, x_{i+1} − x_i ≈ ε_{i+1} − ε_i has σ·√2."""
+    For x_i = trend + ε_i, x_{i+1} − 2x_i + x_{i−1} = ε_{i+1} − 2ε_i + ε_{i−1} (+ the trend's curvature)
+    has σ·√6: a linear trend cancels exactly, so a steadily falling loss does not read as noise (first
+    differences would). Under 4 points: first differences / √2."""
     if len(values) < 3:
         return 0.0
-    d = [b - a for a, b in zip(values, values[1:])]
-    return mad_sigma(d) / math.sqrt(2)
+    if len(values) < 4:
+        return mad_sigma([b - a for a, b in zip(values, values[1:])]) / math.sqrt(2)
+    d2 = [values[i + 1] - 2 * values[i] + values[i - 1] for i in range(1, len(values) - 1)]
+    return mad_sigma(d2) / math.sqrt(6)
 
 
 def theil_sen(steps: Sequence[float], values: Sequence[float]) -> float:

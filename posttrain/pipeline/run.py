@@ -51,9 +51,9 @@ class RunError(ValueError):
 
 
 def last_good_checkpoint(stage_dir: Path, first_step: int, fallback: Path) -> Path:
-    """The newest checkpoint of a stopped stage saved at or before the step its failure began (else the
+    """The newest checkpoint of a stopped stage saved before the step its failure began (else the
     stage's start): what the run should continue from once the cause is fixed."""
-    steps = sorted(p for p in stage_dir.glob("step-*") if int(p.name.split("-")[1]) <= first_step) if stage_dir.is_dir() else []
+    steps = sorted(p for p in stage_dir.glob("step-*") if int(p.name.split("-")[1]) < first_step) if stage_dir.is_dir() else []
     return steps[-1] if steps else fallback
 
 
@@ -62,7 +62,7 @@ def stop_record(stop: DoctorStop, run_dir: Path, checkpoint: Path) -> dict:
     f = stop.finding
     where = checkpoint.relative_to(run_dir) if checkpoint.is_relative_to(run_dir) else checkpoint
     return {"stage": f.stage, "rule": f.rule, "severity": f.severity.value, "first_step": f.first_step,
-            "reason": f.summary, "last_good_checkpoint": str(where)}
+            "stopped_at_step": stop.at_step, "reason": f.summary, "last_good_checkpoint": str(where)}
 
 
 def record_kind(stage) -> str:
