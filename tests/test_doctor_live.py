@@ -95,3 +95,22 @@ def test_doctor_command(tmp_path):
     assert json.loads((run / "doctor.json").read_text())["findings"][0]["first_step"] == 50
     missing = runner.invoke(app, ["doctor", str(tmp_path / "nowhere")])
     assert missing.exit_code == 2 and "no metrics.jsonl" in missing.output
+
+
+def test_report_panel_plots_the_evidence(tmp_path):
+    from posttrain.doctor import Evidence, Finding
+    from posttrain.report import write_report
+    from posttrain.report.doctor_panel import evidence_figure
+    from test_report import synthetic_run
+
+    run_dir = synthetic_run(tmp_path / "r", rl=False)
+    f = Finding("overfitting", "sft", Severity.CRITICAL, 8, "held-out loss rose 12%", "why", "try",
+                [Evidence("eval/loss", [2, 4, 6, 8, 10], [1.5, 1.3, 1.2, 1.3, 1.4], (4, 10), 1.2)], "Prechelt 1998")
+    (run_dir / "doctor.json").write_text(json.dumps({"findings": [f.to_json()], "stopped": None, "cost": {}}))
+    page = write_report(run_dir).read_text()
+    assert 'data-fig="doctor-fig-0"' in page and "held-out loss rose 12%" in page and "Prechelt 1998" in page
+    fig = evidence_figure(f.to_json())
+    rect = next(s for s in fig["layout"]["shapes"] if s["type"] == "rect")
+    assert (rect["x0"], rect["x1"]) == (4, 10)  # the triggering window is shaded
+    assert any(s["type"] == "line" and s.get("y0") == 1.2 for s in fig["layout"]["shapes"])  # the reference level
+    assert fig["data"][0]["y"] == [1.5, 1.3, 1.2, 1.3, 1.4]

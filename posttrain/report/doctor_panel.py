@@ -25,9 +25,9 @@ def evidence_figure(finding: dict[str, Any]) -> Figure | None:
         return None
     color = SEVERITY_COLORS.get(str(finding.get("severity")), "#868e96")
     n = len(evs)
-    gap = 0.12 / n if n > 1 else 0.0
+    gap = 0.30 / n if n > 1 else 0.0
     h = (1 - gap * (n - 1)) / n
-    layout = _layout(height=130 * n + 40, showlegend=False, margin={"l": 56, "r": 12, "t": 22, "b": 30})
+    layout = _layout(height=150 * n + 40, showlegend=False, margin={"l": 56, "r": 12, "t": 22, "b": 30})
     data, shapes, notes = [], [], []
     for k, ev in enumerate(evs):
         ax = "" if k == 0 else str(k + 1)
@@ -46,6 +46,10 @@ def evidence_figure(finding: dict[str, Any]) -> Figure | None:
                 pad = 0.5 if lo == hi else 0.0
                 shapes.append({"type": "rect", "xref": f"x{ax}", "yref": f"y{ax} domain", "x0": lo - pad, "x1": hi + pad,
                                "y0": 0, "y1": 1, "fillcolor": color, "opacity": 0.12, "line": {"width": 0}, "layer": "below"})
+            first = finding.get("first_step")
+            if isinstance(first, int) and first > 0:  # where the signature began
+                shapes.append({"type": "line", "xref": f"x{ax}", "yref": f"y{ax} domain", "x0": first, "x1": first,
+                               "y0": 0, "y1": 1, "line": {"color": color, "width": 1.5, "dash": "dot"}})
             if ev.get("reference") is not None:
                 shapes.append({"type": "line", "xref": f"x{ax} domain", "yref": f"y{ax}", "x0": 0, "x1": 1,
                                "y0": ev["reference"], "y1": ev["reference"], "line": {"color": MUTED, "width": 1, "dash": "dash"}})
