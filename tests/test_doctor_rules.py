@@ -75,13 +75,18 @@ def test_forgetting_two_proportion_threshold():
         rows = [EvalRow("pretrain", "prose_probe", None, "accuracy", 0.24, n), EvalRow("sft", "prose_probe", None, "accuracy", after, n)]
         return forgetting(RunStreams([], rows, ["base", "pretrain", "sft"]))
 
-    # 24% → 5% on n = 100: se = √(.24·.76/100 + .05·.95/100) = √(.001824 + .000475) = .0479; drop .19 = 4.0 se
-    f = run(0.05, 100)
-    assert sev(f) == Severity.WARNING and "24.0% → 5.0%" in f[0].summary
-    # 24% → 16% on n = 100: se = √(.001824 + .001344) = .0563; drop .08 = 1.4 se < 3 → silent
+    # the demo's prose probe, 19% → 5% on 63 facts: se = √(.19·.81/63 + .05·.95/63) = √(.002443 + .000754) = .0565;
+    # drop .14 = 2.5 se > 2, ≥ 5 points, 74% of 19% → warning
+    rows = [EvalRow("pretrain", "prose_probe", "L1", "exact_match", 0.19, 63), EvalRow("sft", "prose_probe", "L1", "exact_match", 0.05, 63)]
+    f = forgetting(RunStreams([], rows, ["base", "pretrain", "sft"]))
+    assert sev(f) == Severity.WARNING and "19.0% → 5.0% (2.5 s.e.)" in f[0].summary
+    # 24% → 16% on n = 100: se = √(.001824 + .001344) = .0563; drop .08 = 1.4 se < 2 → silent
     assert run(0.16, 100) == []
-    # 24% → 21% on n = 10,000: se = .0059, drop .03 = 5 se but < 5 points → silent
-    assert run(0.21, 10_000) == []
+    # 24% → 20% on n = 10,000: se = .0059, drop .04 = 6.8 se but < 5 points → silent
+    assert run(0.20, 10_000) == []
+    # 90% → 84% on n = 10,000: 6 points, 15 se, but only 6.7% of 90% (< 20%) → silent
+    rows = [EvalRow("pretrain", "arithmetic", "L2", "exact_match", 0.90, 10_000), EvalRow("sft", "arithmetic", "L2", "exact_match", 0.84, 10_000)]
+    assert forgetting(RunStreams([], rows, ["base", "pretrain", "sft"])) == []
 
 
 # ---- DPO -------------------------------------------------------------------------------------------
