@@ -17,6 +17,7 @@ DATA = Path(__file__).parent / "data" / "doctor"
 
 # run folder → (rule, stage, severity, first_step) the doctor must report; measured on the recorded streams
 FAILURES = {
+    "sft-overfit": ("overfitting", "sft", Severity.CRITICAL, 100),  # held-out min 1.212 at step 70; 1.279 at 100
 }
 HEALTHY = []
 
@@ -39,3 +40,25 @@ def test_induced_failure_is_flagged(name):
 def test_healthy_run_has_no_critical(name):
     findings = diagnose(load_streams(DATA / name))
     assert criticals(findings) == [], [f.plain() for f in criticals(findings)]
+
+
+def _stage(name: str, stage: str):
+    return next(s for s in load_streams(DATA / name).stages if s.name == stage)
+
+
+def test_non_finite_on_a_recorded_curve_with_one_nan():
+    s = _stage("sft-overfit", "sft")
+    assert non_finite(s) == []  # the recorded run is finite throughout
+    bad = copy.deepcopy(s)
+    bad.records[6]["loss/sft"] = float("nan")  # the 7th logged record: step 70
+    f = non_finite(bad)
+    assert len(f) == 1 and f[0].severity == Severity.CRITICAL and f[0].first_step == 70
+
+
+def test_grad_spike_on_a_recorded_curve():
+    s = _stage("sft-overfit", "sft")
+    assert grad_spike(s) == []  # its gradient norm moves smoothly (2.8 → ~0.5)
+    bad = copy.deepcopy(s)
+    bad.records[8]["train/grad_norm"] *= 20  # step 90: 20× its own value
+    f = grad_spike(bad)
+    assert len(f) == 1 and f[0].severity == Severity.WARNING and f[0].first_step == 90
