@@ -76,7 +76,8 @@ class Finding:
 
     def plain(self) -> str:
         """The finding as the terminal prints it: two lines of plain words."""
-        return (f"doctor [{self.severity.value}] {self.stage} · {self.rule} (from step {self.first_step}): {self.summary}\n"
+        when = f"from step {self.first_step}" if self.first_step > 0 else "between checkpoints"
+        return (f"doctor [{self.severity.value}] {self.stage} · {self.rule} ({when}): {self.summary}\n"
                 f"    why: {self.explanation}\n    try: {self.mitigation}")
 
 
