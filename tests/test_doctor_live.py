@@ -114,3 +114,18 @@ def test_report_panel_plots_the_evidence(tmp_path):
     assert (rect["x0"], rect["x1"]) == (4, 10)  # the triggering window is shaded
     assert any(s["type"] == "line" and s.get("y0") == 1.2 for s in fig["layout"]["shapes"])  # the reference level
     assert fig["data"][0]["y"] == [1.5, 1.3, 1.2, 1.3, 1.4]
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "posttrain" / "recipes" / "failures").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_failure_recipes_validate_and_name_their_command(path, monkeypatch):
+    from posttrain.runtime.config import load_recipe
+
+    first = path.read_text().splitlines()[0]
+    assert first.startswith(f"# posttrain run recipes/failures/{path.name}"), first
+    recipe = load_recipe(path)
+    assert recipe.doctor.stop_on == "critical"
+    monkeypatch.chdir(Path(__file__).parent.parent)  # data paths are relative to the repository root
+    for stage in recipe.stages:
+        for src in getattr(stage, "data", []):
+            assert src.path is None or src.path.is_file(), src.path
