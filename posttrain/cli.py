@@ -14,6 +14,7 @@ from rich.console import Console
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="LLM post-training from one YAML recipe, measured on the roofline.")
 console = Console()
 T = TypeVar("T")
+DOCTOR_STOP_EXIT = 3  # the live doctor stopped the run (doctor.stop_on); 2 = a user error, 1 = a crash
 
 
 def _quiet_libraries() -> None:
@@ -52,10 +53,18 @@ def _run(recipe_path: Path, out: Path | None, resume: bool, overrides: list[str]
     from posttrain.runtime.config import load_recipe
     from posttrain.pipeline.run import run_pipeline
 
+    from posttrain.doctor import DoctorStop
+
     recipe = _guard(lambda: load_recipe(recipe_path, overrides))
     run_dir = out or Path("runs") / recipe.name
     console.print(f"[bold]posttrain[/] {recipe_path} → {run_dir}")
-    _guard(lambda: run_pipeline(recipe, run_dir, resume=resume, fresh=fresh, console=console))
+    try:
+        _guard(lambda: run_pipeline(recipe, run_dir, resume=resume, fresh=fresh, console=console))
+    except DoctorStop as stop:  # the recipe asked the doctor to stop at this severity: one line, exit 3
+        _finish(run_dir)
+        console.print(f"[bold red]stopped:[/] {stop} (doctor.json: `stopped`; doctor.stop_on in the recipe)",
+                      highlight=False, soft_wrap=True)
+        raise typer.Exit(DOCTOR_STOP_EXIT) from None
     _finish(run_dir)
 
 
@@ -137,6 +146,21 @@ def report(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
     """Write RUN_DIR/report.html (self-contained) and print the run's summary."""
     _quiet_libraries()
     _finish(run_dir)
+
+
+@app.command()
+def doctor(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> None:
+    """Diagnose a run folder's streams: write RUN_DIR/doctor.json and print the findings."""
+    from posttrain.doctor import write_doctor_json
+
+    if not (run_dir / "metrics.jsonl").is_file():
+        console.print(f"[bold red]error:[/] {run_dir}: no metrics.jsonl here (is it a run folder?)", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    path, findings = write_doctor_json(run_dir)
+    for f in findings:
+        console.print(f.plain(), highlight=False, markup=False, soft_wrap=True)
+    counts = {s: sum(f.severity.value == s for f in findings) for s in ("critical", "warning", "info")}
+    console.print(f"doctor: {counts['critical']} critical, {counts['warning']} warning, {counts['info']} info → {path}")
 
 
 @app.command()

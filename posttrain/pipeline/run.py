@@ -20,6 +20,8 @@ import torch
 from rich.console import Console
 
 from posttrain.data import encode_sft_dataset, read_jsonl
+from posttrain.doctor import DoctorStop, LiveDoctor, Severity, load_streams, write_doctor_json
+from posttrain.doctor.diagnose import RUN_RULES
 from posttrain.models import build_tiny, count_parameters, load_model, load_tokenizer, smollm2_135m_instruct, train_tokenizer
 from posttrain.models.tiny import PRESETS
 from posttrain.rollout.engine import backend_unavailable_reason
@@ -47,6 +49,21 @@ STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft"
 # `model.init` names a built-in checkpoint resolved offline (no hub): the name → a function returning its folder
 NAMED_CHECKPOINTS: dict[str, Callable[[], Path]] = {"smollm2-135m-instruct": smollm2_135m_instruct}
 __all__ = ["BASE", "RunError", "STAGES", "run_pipeline"]
+
+
+def last_good_checkpoint(stage_dir: Path, first_step: int, fallback: Path) -> Path:
+    """The newest checkpoint of a stopped stage saved before the step its failure began (else the
+    stage's start): what the run should continue from once the cause is fixed."""
+    steps = sorted(p for p in stage_dir.glob("step-*") if int(p.name.split("-")[1]) < first_step) if stage_dir.is_dir() else []
+    return steps[-1] if steps else fallback
+
+
+def stop_record(stop: DoctorStop, run_dir: Path, checkpoint: Path) -> dict:
+    """doctor.json's `stopped`: which finding stopped the run, where, and what is kept."""
+    f = stop.finding
+    where = checkpoint.relative_to(run_dir) if checkpoint.is_relative_to(run_dir) else checkpoint
+    return {"stage": f.stage, "rule": f.rule, "severity": f.severity.value, "first_step": f.first_step,
+            "stopped_at_step": stop.at_step, "reason": f.summary, "last_good_checkpoint": str(where)}
 
 
 def record_kind(stage) -> str:
@@ -199,6 +216,10 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
                                on_revision=Announcer(lambda line: console.print(f"[yellow]{line}[/yellow]")))
     sink = JsonlSink(run_dir / "metrics.jsonl")
     evals_path = run_dir / "evals.jsonl"
+    dc = recipe.doctor
+    doctor = LiveDoctor(every=dc.every, stop_on=Severity(dc.stop_on) if dc.stop_on else None,
+                        say=lambda text: console.print(text, style="yellow", highlight=False, markup=False, soft_wrap=True))
+    stopped: dict | None = None
 
     def evaluate(stage: str, checkpoint: Path, steps: int) -> None:
         # Between-stage evals are decode work: each generation batch is an `eval` phase with its cost.
@@ -219,7 +240,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
             evaluate(BASE, start, 0)
         for index, stage in enumerate(recipe.stages):
             ctx = RunContext(run_dir=run_dir, recipe=recipe, device=device, tokenizer=tokenizer, tasks=tasks,
-                             telemetry=telemetry, sink=sink, start=start, console=console, t0=t0)
+                             telemetry=telemetry, sink=sink, start=start, console=console, t0=t0, doctor=doctor)
             done = final_checkpoint(ctx.stage_dir(stage.folder))
             if done is not None:
                 console.print(f"[dim]{stage.folder}: done, skipping")
@@ -229,13 +250,30 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
             # Each stage starts from a known RNG state, so a stage re-run after a kill (before its first
             # checkpoint) sees what the uninterrupted run saw; a resumed stage restores its saved state.
             seed_everything(recipe.seed + 1000 * (index + 1))
-            result = STAGES[stage.stage](stage, ctx)
+            logged = [r for r in load_streams(run_dir).stages if r.name == stage.folder]  # a resumed stage's history
+            doctor.begin(stage.folder, stage.stage, stage.model_dump(mode="json"), logged[0].records if logged else None)
+            try:
+                result = STAGES[stage.stage](stage, ctx)
+            except DoctorStop as stop:
+                stopped = stop_record(stop, run_dir, last_good_checkpoint(ctx.stage_dir(stage.folder), stop.finding.first_step, start))
+                raise
+            finally:
+                doctor.end()
             start = result.checkpoint
             evaluate(stage.folder, start, stage.steps)
+            try:
+                doctor.check_run([f for rule in RUN_RULES for f in rule(load_streams(run_dir)) if f.stage == stage.folder])
+            except DoctorStop as stop:
+                stopped = stop_record(stop, run_dir, start)
+                raise
     finally:
         sink.close()
         telemetry.close()
         tasks.close()
+        try:  # every run ends with doctor.json, a stopped or crashed one too (its streams are the evidence)
+            write_doctor_json(run_dir, cost=doctor.cost_json(), stopped=stopped or {})
+        except Exception as e:  # never mask the run's own outcome
+            console.print(f"[yellow]doctor: could not write doctor.json: {type(e).__name__}: {e}")
     return read_evals(evals_path)
 
 

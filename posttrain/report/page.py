@@ -23,6 +23,7 @@ from typing import Any
 from posttrain.report import charts
 from posttrain.report._format import duration, pct, pct100, si
 from posttrain.report.curves import MAX_POINTS, stage_curves
+from posttrain.report.doctor_panel import doctor_section
 from posttrain.report.run_data import BASE, RunData, finite_or_none, load_run
 from posttrain.report.summaries import (
     EVAL_PHASES,
@@ -330,27 +331,8 @@ def _evals(table: EvalTable, figs: dict[str, Any], n: int) -> str:
             f'{_chart("evals-fig", figs, charts.evals_figure(table), "")}</section>')
 
 
-def _doctor(doctor: Any, n: int) -> str:
-    head = f'<section id="doctor"><h2><span class="secnum">{n}</span>Doctor</h2>'
-    if doctor is None:
-        return head + '<p class="muted">No findings: this run has no doctor.json (`posttrain doctor` writes it).</p></section>'
-    findings = doctor if isinstance(doctor, list) else (doctor.get("findings") if isinstance(doctor, dict) else None)
-    if not isinstance(findings, list):
-        return head + f'<pre class="note">{e(json.dumps(doctor, indent=2)[:4000])}</pre></section>'
-    if not findings:
-        return head + '<p class="muted">The doctor found nothing to report.</p></section>'
-    cards = []
-    for f in findings:
-        if not isinstance(f, dict):
-            cards.append(f'<div class="finding"><p>{e(str(f))}</p></div>')
-            continue
-        title = next((str(f[k]) for k in ("title", "rule", "name", "id") if k in f), "finding")
-        sev = str(f.get("severity", ""))
-        rest = "".join(f"<div><dt>{e(str(k))}</dt><dd>{e(v if isinstance(v, str) else json.dumps(v))}</dd></div>"
-                       for k, v in f.items() if k not in ("title", "rule", "name", "id", "severity"))
-        cards.append(f'<div class="finding sev-{e(sev)}"><h4>{e(title)}'
-                     f'{f" <span class=chip>{e(sev)}</span>" if sev else ""}</h4><dl class="kv">{rest}</dl></div>')
-    return head + "".join(cards) + "</section>"
+def _doctor(doctor: Any, n: int, figs: dict[str, Any]) -> str:
+    return doctor_section(doctor, n, figs)
 
 
 # ---- the page ----------------------------------------------------------------------------------------------------
@@ -364,7 +346,7 @@ def render(run: RunData) -> str:
     projections: list[Any] = []
     sections = [_pipeline(run, summaries, table, figs, names), _rl_section(run, its, figs, projections, names)]
     sections += [_roofline(run, summaries, figs, 3), _memory(run, summaries, figs, 4), _evals(table, figs, 5),
-                 _doctor(run.doctor, 6)]
+                 _doctor(run.doctor, 6, figs)]
     total = sum(s.wall_seconds or 0.0 for s in summaries)
     peaks = run.peaks
     title = str(run.recipe.get("name") or run.run_dir.name)

@@ -327,6 +327,13 @@ class TelemetryConfig(Strict):
     busy_hz: float = Field(20.0, gt=0, le=1000, description="busy-line sampling rate")
 
 
+class DoctorConfig(Strict):
+    """The live doctor (docs/doctor.md): failure-mode rules run on the metrics as they are logged."""
+
+    stop_on: Literal["critical", "warning"] | None = Field(None, description="stop the run at a finding this severe (its checkpoints kept, the reason in doctor.json; exit code 3); null = only report")
+    every: int = Field(5, gt=0, description="run the rules every N logged records of a stage (cost: docs/doctor.md)")
+
+
 class Recipe(Strict):
     name: str = Field("run", description="run folder name under runs/")
     seed: int = Field(0, description="seeds the model init and every RNG")
@@ -337,6 +344,7 @@ class Recipe(Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     evals: list[EvalSpec] = Field(default_factory=list, description="held-out evals after every stage (and of a loaded start): exactly these, none by default")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    doctor: DoctorConfig = Field(default_factory=DoctorConfig)
     stages: list[Stage] = Field(min_length=1)
 
     @model_validator(mode="before")

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import PreTrainedTokenizerBase
 
+from posttrain.doctor import LiveDoctor
 from posttrain.models import load_model
 from posttrain.runtime.config import EvalSpec, Recipe
 from posttrain.rollout import RolloutEngine, make_engine
@@ -69,6 +70,7 @@ class RunContext:
     start: Path  # the checkpoint this stage starts from (the previous stage's final)
     console: Console = field(default_factory=Console)
     t0: float = field(default_factory=time.perf_counter)
+    doctor: LiveDoctor | None = None  # sees every record after the sink; may raise DoctorStop
 
     def stage_dir(self, folder: str) -> Path:
         return self.run_dir / "checkpoints" / folder
@@ -107,6 +109,8 @@ class RunContext:
         record.update(metrics)
         record.update(self.telemetry.step_metrics(stage=stage, step=step))
         self.sink.log(record)
+        if self.doctor is not None:
+            self.doctor.observe(record)  # written first: a stop leaves the evidence in metrics.jsonl
 
     def progress(self) -> Progress:
         return Progress(
