@@ -32,6 +32,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from posttrain.models import lora
+from posttrain.models.loading import load_model
 
 REWARD_NORM_FILE = "reward_norm.json"
 
@@ -70,8 +71,6 @@ def _load_scalar_adapter(path: Path, *, device: str | torch.device, zero_head: b
     if "score" in (raw.get("modules_to_save") or []):
         base = load_scalar_model(lora.adapter_base(path), device="cpu", zero_head=True)
         return lora.merge_adapter(base, path).to(device)
-    from posttrain.models.loading import load_model
-
     causal = load_model(path)  # the chain merged
     model = AutoModelForSequenceClassification.from_config(causal.config, num_labels=1)
     getattr(model, model.base_model_prefix).load_state_dict(getattr(causal, causal.base_model_prefix).state_dict())

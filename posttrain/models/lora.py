@@ -59,7 +59,7 @@ def wrap(model: nn.Module, *, r: int, alpha: float, dropout: float, target_modul
                         f"(its Linear layers: {sorted(present)})")
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                         modules_to_save=list(heads) or None, bias="none",
-                        task_type="SEQ_CLS" if heads else "CAUSAL_LM")
+                        task_type="SEQ_CLS" if heads else "CAUSAL_LM" if hasattr(model, "generate") else None)
     peft = get_peft_model(model, config)
     _attach(model, peft, base)
     return model
