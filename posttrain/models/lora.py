@@ -52,14 +52,16 @@ def wrap(model: nn.Module, *, r: int, alpha: float, dropout: float, target_modul
     loaded from, recorded in the adapter's config (departure 3)."""
     from peft import LoraConfig, get_peft_model
 
-    present = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    if heads:  # a scalar model (reward model, critic) has no LM head to adapt: its head trains in full
+        target_modules = [t for t in target_modules if t != "lm_head"]
+    present = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, (nn.Linear, nn.Embedding))}
     missing = [t for t in target_modules if t not in present]
     if missing:
-        raise LoraError(f"model.lora.target_modules: {missing} name no Linear layer of {type(model).__name__} "
-                        f"(its Linear layers: {sorted(present)})")
+        raise LoraError(f"model.lora.target_modules: {missing} name no Linear or Embedding layer of "
+                        f"{type(model).__name__} (its layers: {sorted(present)})")
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                         modules_to_save=list(heads) or None, bias="none",
-                        task_type="SEQ_CLS" if heads else "CAUSAL_LM" if hasattr(model, "generate") else None)
+                        task_type=None if heads or not hasattr(model, "generate") else "CAUSAL_LM")
     peft = get_peft_model(model, config)
     _attach(model, peft, base)
     return model
@@ -127,7 +129,7 @@ def active_adapters(module: nn.Module) -> list[str]:
     layer = _lora_layer(module)
     if layer is None or layer.disable_adapters or layer.merged:
         return []
-    return [a for a in layer.active_adapters if a in layer.lora_A]
+    return [a for a in layer.active_adapters if a in layer.lora_A or a in layer.lora_embedding_A]
 
 
 def unmergeable_reason(module: nn.Module) -> str | None:

@@ -50,7 +50,7 @@ Departures from the HF forward (numbered):
    at each rebuild into a scratch buffer of its shape that every layer reuses, then folded and copied
    as above (o_proj/down_proj in fp32, which are otherwise the parameters themselves, get their own
    copy); the module is never merged or rebuilt, and disabling the adapters rebuilds from W₀. Adapters
-   elsewhere (embeddings, lm_head) or of another kind (DoRA) are refused with the reason
+   elsewhere (the embedding) or of another kind (DoRA) are refused with the reason
    (`fused_unsupported_reason`); the engine then runs the HF forward, adapters unmerged.
 `HFForward` in `native.py` is the naive version; `FusedDecoder.__call__` (any number of new tokens)
 is the reference for `DecodePlan` (one); `tests/test_rollout_native.py` proves all three agree.
@@ -101,7 +101,7 @@ def fused_unsupported_reason(model: nn.Module) -> str | None:
 def lora_unsupported_reason(model: nn.Module) -> str | None:
     """None if every LoRA adapter of `model` sits on a decoder projection the fused path merges
     (`FusedWeights`, departure 11), else which one does not."""
-    merged = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    merged = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
     for name, module in model.named_modules():
         if not lora.active_adapters(module):
             continue
@@ -260,7 +260,7 @@ class FusedWeights:
                 wd=self._copy(f"{i}.d", self._w(mlp.down_proj)),
             ))
         embed = self._copy("embed", m.model.embed_tokens.weight)                # (V, H)
-        lm_head = self._copy("lm_head", m.lm_head.weight, m.model.norm.weight)  # (V, H), final norm folded
+        lm_head = self._copy("lm_head", self._w(m.lm_head), m.model.norm.weight)  # (V, H), final norm folded
         bias = getattr(m.lm_head, "bias", None)
         lm_head_bias = None if bias is None else bias.detach().to(dt)
         if self.compute is not None and self.compute != dt:                    # the rounded values, widened

@@ -29,7 +29,7 @@ class LoraConfig(Strict):
     alpha: float = Field(32.0, gt=0, description="the update is scaled by alpha / r (PEFT's lora_alpha)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input in training (0: the update forward is deterministic)")
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                                      min_length=1, description="names of the Linear layers that get adapters (Llama/Qwen2 names; the fused decode path merges them)")
+                                      min_length=1, description="names of the layers that get adapters (Llama/Qwen2 names; the fused decode path merges these and lm_head; a reward model or critic skips lm_head, its scalar head trains in full)")
 
 
 class ModelConfig(Strict):
