@@ -2,14 +2,15 @@
 
     python benchmarks/lora_memory.py                       # 3 rollouts each side, 4 prompts × G=4, 24 new tokens
     python benchmarks/lora_memory.py --steps 5 --prompts 8 --threads 2
+    python benchmarks/lora_memory.py --steps 2 --prompts 2 --new-tokens 16 --together   # a busy machine
 
 Each side runs in its own fresh subprocess (peak RSS is a high-water mark: two sides in one process
 would read the larger), driving the real `grpo` stage (`posttrain.stages.grpo.run_grpo`) on a file of
 2-digit additions ("reply with the number only") with the `math` verifier and a KL term (kl_coef > 0,
 so the reference is used: a second copy of the weights under full fine-tuning, the same weights with
 the adapters disabled under LoRA). Both sides use the same seed, prompts, group size, token budget,
-thread count and dtype (fp32). Printed per side: peak RSS of the stage's process (`ru_maxrss`, after
-the model is loaded and after the run), trainable parameters, the rollout engine's kernels, and
+thread count and dtype (fp32). Printed per side: peak RSS of the stage's process over the whole run (`ru_maxrss`:
+loading, rollouts, reference, updates), trainable parameters, the rollout engine's kernels, and
 seconds per rollout (generate + score + reference + update + weight refresh); then the ratios.
 The math verifier's worker processes are not counted (their RSS is the same for both sides).
 """
@@ -120,20 +121,28 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--r", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--together", action="store_true", help="run both sides at once (peak RSS is per process and "
+                                                             "unaffected; the step times then share the CPU)")
     args = ap.parse_args()
     if args.side:
         side(args)
         return
-    out = {}
+    out, procs = {}, {}
     for name in ("full", "lora"):
         cmd = [sys.executable, __file__, "--side", name] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                                            if k != "side"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                                                            if k not in ("side", "together")]
+        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        if not args.together:  # one at a time: the step times do not share the CPU
+            procs[name].wait()
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate()
         if proc.returncode:
-            sys.exit(f"{name} side failed:\n{proc.stderr[-3000:]}")
-        out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+            sys.exit(f"{name} side failed:\n{stderr[-3000:]}")
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
     print(f"GRPO on SmolLM2-135M-Instruct, fp32, {args.prompts} prompts × G={args.group} = {args.prompts * args.group} "
-          f"sequences × ≤ {args.new_tokens} new tokens, KL to the reference on, {args.steps} rollouts, {args.threads} threads")
+          f"sequences × ≤ {args.new_tokens} new tokens, KL to the reference on, {args.steps} rollouts, {args.threads} threads"
+          f"{', both sides at once' if args.together else ''}")
     for name, r in out.items():
         steps = r["seconds_per_rollout"]
         print(f"  {name:>4}: peak RSS {r['peak_rss_mib']:,.0f} MiB; trainable {r['trainable']:,} of {r['total']:,} "

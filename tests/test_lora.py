@@ -114,6 +114,18 @@ def test_reference_with_adapters_disabled_is_the_base_model(policy_dir):
         assert (model(input_ids=ids).logits - logits).abs().max() > 1e-2  # the adapters do act outside
 
 
+def test_merged_copy_is_plain_and_leaves_the_adapters(policy_dir):
+    model = wrapped(policy_dir)
+    randomize_adapters(model)
+    plain = lora.merged_copy(model)
+    assert not lora.is_lora(plain) and lora.is_lora(model)
+    assert not any(".lora_" in n for n, _ in plain.named_parameters())
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(input_ids=ids).logits, model.eval()(input_ids=ids).logits, rtol=0, atol=1e-5)
+    assert lora.active_adapters(model.model.layers[0].self_attn.q_proj) == ["default"]  # still unmerged, still acting
+
+
 # ---- the rollout engine on merged weights -----------------------------------------------------------
 def test_fused_decode_runs_on_the_merged_weights(policy_dir, tokenizer):
     model = wrapped(policy_dir, target_modules=ALL + ["lm_head"])

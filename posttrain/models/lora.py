@@ -178,8 +178,9 @@ def merged_copy(model: nn.Module) -> nn.Module:
     """A plain Hugging Face model with the adapters merged into its weights; `model` is left as it is."""
     if not is_lora(model):
         return copy.deepcopy(model)
-    peft = copy.deepcopy(peft_of(model))
-    return peft.merge_and_unload()
+    plain = copy.deepcopy(peft_of(model)).merge_and_unload()
+    plain.__dict__.pop(_PEFT, None)  # the copy's pointer to its (copied) PeftModel
+    return plain
 
 
 def save_adapter(model: nn.Module, folder: str | Path) -> None:
