@@ -29,6 +29,7 @@ def _guard(fn: Callable[[], T]) -> T:
     """Run `fn`; a user error (bad recipe, data, checkpoint, model folder) is one red line and exit 2."""
     from posttrain.data import DataError
     from posttrain.models import ModelLoadError
+    from posttrain.models.lora import LoraError
     from posttrain.runtime.checkpoint import CheckpointError
     from posttrain.runtime.config import RecipeError
     from posttrain.pipeline.run import RunError
@@ -38,7 +39,7 @@ def _guard(fn: Callable[[], T]) -> T:
 
     try:
         return fn()
-    except (RecipeError, DataError, CheckpointError, RunError, ModelLoadError, ReportError, TaskError,
+    except (RecipeError, DataError, CheckpointError, RunError, ModelLoadError, LoraError, ReportError, TaskError,
             NonFiniteError) as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -222,6 +223,22 @@ def verify(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
         console.print(f"[bold red]error:[/] {run_dir}: {what}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     console.print(f"all {len(rows)} checkpoints verify")
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="a checkpoint folder (full weights or a LoRA adapter)")],
+    merge: Annotated[Path | None, typer.Option(help="write a plain HF folder here with every LoRA adapter merged")] = None,
+) -> None:
+    """Write CHECKPOINT as a plain Hugging Face folder (adapters merged) that `transformers` loads without PEFT."""
+    _quiet_libraries()
+    if merge is None:
+        console.print("[bold red]error:[/] export: give --merge OUT (the folder to write)", highlight=False)
+        raise typer.Exit(2)
+    from posttrain.models.export import export_merged
+
+    out = _guard(lambda: export_merged(checkpoint, merge))
+    console.print(f"exported {checkpoint} → {out}")
 
 
 if __name__ == "__main__":

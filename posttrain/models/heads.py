@@ -31,6 +31,9 @@ from torch import Tensor
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from posttrain.models import lora
+from posttrain.models.loading import load_model
+
 REWARD_NORM_FILE = "reward_norm.json"
 
 
@@ -41,6 +44,8 @@ def load_scalar_model(path: str | Path, *, device: str | torch.device = "cpu", z
     from a reward-model checkpoint everything loads as saved.
     """
     path = Path(path)
+    if lora.adapter_base(path) is not None:
+        return _load_scalar_adapter(path, device=device, zero_head=zero_head)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: not a Hugging Face model folder (no config.json)")
     verbosity = hf_logging.get_verbosity()
@@ -52,6 +57,23 @@ def load_scalar_model(path: str | Path, *, device: str | torch.device = "cpu", z
     if not hasattr(model, "score") or not hasattr(model, model.base_model_prefix):
         raise ValueError(f"{path}: {type(model).__name__} has no `score` head over `{model.base_model_prefix}`; "
                          "expected a decoder-only model (Llama, Qwen2, Mistral, …)")
+    if zero_head:
+        with torch.no_grad():
+            model.score.weight.zero_()
+    return model.to(device)
+
+
+def _load_scalar_adapter(path: Path, *, device: str | torch.device, zero_head: bool) -> PreTrainedModel:
+    """A LoRA checkpoint as a scalar model: a reward-model adapter (its head saved beside it, PEFT
+    `modules_to_save`) merged onto the scalar model of its base; or a causal-LM adapter chain, merged,
+    whose backbone gets a new head (zeroed if `zero_head`)."""
+    raw = json.loads((path / lora.ADAPTER_CONFIG).read_text())
+    if "score" in (raw.get("modules_to_save") or []):
+        base = load_scalar_model(lora.adapter_base(path), device="cpu", zero_head=True)
+        return lora.merge_adapter(base, path).to(device)
+    causal = load_model(path)  # the chain merged
+    model = AutoModelForSequenceClassification.from_config(causal.config, num_labels=1)
+    getattr(model, model.base_model_prefix).load_state_dict(getattr(causal, causal.base_model_prefix).state_dict())
     if zero_head:
         with torch.no_grad():
             model.score.weight.zero_()

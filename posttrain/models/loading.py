@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from posttrain.models import lora
+
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -50,6 +52,13 @@ def load_model(path: str | Path, *, dtype: str = "fp32", device: str | torch.dev
     attention: "sdpa", "eager", or "auto" (`choose_attention`, which also reads the autocast dtype
     the model will train under)."""
     path = Path(path)
+    if lora.adapter_base(path) is not None:  # a LoRA checkpoint: its base (chain) with every adapter merged
+        base, adapters = lora.resolve_chain(path)
+        model = load_model(base, dtype=dtype, device=device, attention=attention, autocast_dtype=autocast_dtype)
+        for folder in adapters:
+            model = lora.merge_adapter(model, folder)
+        model.config.name_or_path = str(path)
+        return model
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path}: not a Hugging Face model folder (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), local_files_only=True)
@@ -71,6 +80,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> None:
-    """safetensors weights + config + tokenizer into `path` (the caller makes it atomic)."""
-    model.save_pretrained(path, safe_serialization=True)
+    """safetensors weights + config + tokenizer into `path` (the caller makes it atomic); a LoRA model
+    saves its adapter only, in PEFT's format, naming its base (`models.lora`)."""
+    if lora.is_lora(model):
+        lora.save_adapter(model, path)
+    else:
+        model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

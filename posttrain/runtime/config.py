@@ -24,12 +24,23 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class LoraConfig(Strict):
+    """LoRA adapters (Hu et al. 2021) via PEFT on every training stage; the base weights stay frozen (docs/lora.md)."""
+
+    r: int = Field(16, gt=0, description="adapter rank: each adapted W (out, in) learns B (out, r) · A (r, in)")
+    alpha: float = Field(32.0, gt=0, description="the update is scaled by alpha / r (PEFT's lora_alpha)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input in training (0: the update forward is deterministic)")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                      min_length=1, description="names of the layers that get adapters (Llama/Qwen2 names; the fused decode path merges these and lm_head; a reward model or critic skips lm_head, its scalar head trains in full)")
+
+
 class ModelConfig(Strict):
     init: str = Field("tiny-1m", description="a tiny preset to build from scratch (tiny-1m, tiny-4m, tiny-30m), a named built-in checkpoint (smollm2-135m-instruct: SmolLM2-135M-Instruct, offline), or a path to a local HF model folder")
     arch: Literal["llama", "qwen2"] = Field("llama", description="architecture of a preset built from scratch")
     max_seq_len: int = Field(160, gt=8, description="context length of a model built from scratch")
     vocab_size: int = Field(512, ge=300, description="target vocabulary of the tokenizer trained for a model built from scratch")
     attention: Literal["auto", "sdpa", "eager"] = Field("auto", description="attention kernels of the training forward: auto = eager on a CPU under bf16 for contexts ≤ 512 tokens (measured faster there), else the model's default (sdpa)")
+    lora: LoraConfig | None = Field(None, description="LoRA adapters on every training stage, each stage a fresh adapter on the previous stage's merged weights (null = full fine-tuning)")
 
 
 class DataSource(Strict):

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
+
+from posttrain.models import lora
 
 from posttrain.runtime.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
 from posttrain.runtime.config import OptimConfig, TrainStage
@@ -128,14 +131,26 @@ class Trainer:
 
 
 def start_or_resume(ctx: RunContext, cfg: TrainStage,
-                    load: Callable[[Path, bool], PreTrainedModel] | None = None) -> Trainer:
+                    load: Callable[[Path, bool], PreTrainedModel] | None = None, *, heads: tuple[str, ...] = ()) -> Trainer:
     """Load the stage's start checkpoint — or its newest resumable one, restoring the whole state.
 
     load(path, resuming): the model at `path` (default: `ctx.load_model`); a stage whose model is not
-    a causal LM (the reward model's scalar head) passes its own."""
+    a causal LM (the reward model's scalar head) passes its own.
+    With `model.lora` in the recipe the start checkpoint's weights (merged, if it is itself a LoRA
+    checkpoint) are the frozen base and the stage trains a fresh adapter on them — or, on resume, the
+    saved one; `heads` (e.g. ("score",)) train in full beside it (docs/lora.md)."""
     resume_from = latest_checkpoint(ctx.stage_dir(cfg.folder))
-    model = (load or (lambda path, _: ctx.load_model(path)))(resume_from or ctx.start, resume_from is not None)
+    loader = load or (lambda path, _: ctx.load_model(path))
+    spec = ctx.recipe.model.lora
+    if spec is None:
+        model = loader(resume_from or ctx.start, resume_from is not None)
+    else:
+        base = loader(ctx.start, False)
+        model = (lora.load_adapter(base, resume_from, trainable=True) if resume_from is not None else
+                 lora.wrap(base, r=spec.r, alpha=spec.alpha, dropout=spec.dropout, target_modules=spec.target_modules,
+                           heads=heads, base=ctx.start))
     model.train()
+    ctx.console.print(describe_trainable(cfg.folder, model))
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = warmup_cosine(optimizer, cfg.optim, cfg.steps)
     t = Trainer(model, optimizer, scheduler, step=0, data_state=None, guard=NumericGuard(cfg.optim.max_nonfinite_skips),
@@ -151,6 +166,56 @@ def start_or_resume(ctx: RunContext, cfg: TrainStage,
     ctx.console.print(f"[yellow]resuming {cfg.folder} from {resume_from.name} (step {state['step']})")
     t.step, t.data_state = int(state["step"]), state.get("data")
     return t
+
+
+def describe_trainable(stage: str, model: torch.nn.Module) -> str:
+    """The start-up line: what trains, and its share of the model."""
+    trainable, total = lora.trainable_parameters(model)
+    if not lora.is_lora(model):
+        return f"{stage}: full fine-tuning, {trainable:,} trainable parameters"
+    adapters = sum(p.numel() for p in lora.adapter_parameters(model).values())
+    cfg = lora.peft_of(model).peft_config["default"]
+    return (f"{stage}: LoRA r={cfg.r} α={cfg.lora_alpha:g} on {', '.join(sorted(cfg.target_modules))}: "
+            f"{trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.2f}%; adapters {adapters:,}"
+            f"{', heads ' + ', '.join(sorted(cfg.modules_to_save)) if cfg.modules_to_save else ''})")
+
+
+@dataclass
+class ReferencePolicy:
+    """The stage's start policy, frozen — what DPO, PPO and GRPO measure the policy against.
+
+    Full fine-tuning: a second copy of the start weights. LoRA: the policy itself with its adapters
+    disabled (`models.lora.adapters_disabled`), no second copy; the stage's adapter is fresh on the
+    start weights, so that is the start policy exactly. Use it as `with ref() as model: …`; the forward
+    runs under no_grad in eval mode (dropout off) either way."""
+
+    model: torch.nn.Module
+    shared: bool  # True: the policy with adapters disabled
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @contextmanager
+    def __call__(self) -> Iterator[torch.nn.Module]:
+        if not self.shared:
+            with torch.no_grad():
+                yield self.model
+            return
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), lora.adapters_disabled(self.model):
+                yield self.model
+        finally:
+            self.model.train(was_training)
+
+
+def reference_policy(ctx: RunContext, policy: torch.nn.Module) -> ReferencePolicy:
+    """The reference for `policy`: itself with adapters disabled (LoRA), else the start checkpoint loaded frozen."""
+    if lora.is_lora(policy):
+        return ReferencePolicy(policy, shared=True)
+    return ReferencePolicy(ctx.load_model(ctx.start).eval().requires_grad_(False), shared=False)
 
 
 def save(ctx: RunContext, cfg: TrainStage, t: Trainer, *, data_state: dict[str, Any] | None, final: bool = False) -> Path:

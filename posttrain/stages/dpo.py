@@ -57,7 +57,7 @@ from posttrain.runtime.context import RunContext, StageResult
 from posttrain.stages._gold_eval import compare_to_reference, gold_task
 from posttrain.stages._packing import pair_logps, sequence_logps
 from posttrain.stages._preference_data import kto_partners, load_records
-from posttrain.stages._training import optimizer_step, save, start_or_resume
+from posttrain.stages._training import optimizer_step, reference_policy, save, start_or_resume
 from posttrain.tasks import Task
 from posttrain.telemetry import costs
 
@@ -164,14 +164,15 @@ def run_dpo(cfg: DPOStage, ctx: RunContext) -> StageResult:
         f"({int(n_skipped)} skipped: {skipped or 'none'}); {cfg.batch_size} per step (2 sequences each, ≈{mean_len:.0f} tokens) "
         f"in {cfg.grad_accum} micro-batches; {sampler.batches_per_epoch} steps per epoch; reference: "
         f"{cfg.reference if method.uses_reference else 'none'}")
-    ref_model, ref_cache = None, None
+    ref, ref_cache = None, None
     if method.uses_reference:
-        ref_model = ctx.load_model(ctx.start).eval().requires_grad_(False)
+        ref = reference_policy(ctx, t.model)
         if cfg.reference == "cached":
             with ctx.phase("reference", stage=cfg.folder, step=t.step + 1,
-                           cost=costs.forward(ref_model.config, batch=2 * len(items), seq_len=round(mean_len))), ctx.autocast():
+                           cost=costs.forward(ref.config, batch=2 * len(items), seq_len=round(mean_len))), \
+                    ctx.autocast(), ref() as ref_model:
                 ref_cache = reference_logps(ref_model, items, tok.pad_token_id, cfg.reference_batch, paired=method.paired)  # (N, 2)
-            ref_model = None  # the cache replaces it
+            ref = None  # the cache replaces it
 
     # ---- loop ----------------------------------------------------------------------------------
     metrics: dict[str, float] = {}
@@ -182,18 +183,19 @@ def run_dpo(cfg: DPOStage, ctx: RunContext) -> StageResult:
             index = sampler.next_batch()
             batch = [items[i] for i in index]
             seq_len = max(max(len(it.a.input_ids), len(it.b.input_ids)) for it in batch)
-            if ref_model is not None:  # reference: recompute
+            if ref is not None:  # reference: recompute
                 with ctx.phase("reference", stage=cfg.folder, step=step,
-                               cost=costs.forward(ref_model.config, batch=2 * len(batch), seq_len=seq_len)), ctx.autocast():
-                    ref = reference_logps(ref_model, batch, tok.pad_token_id, micro, paired=method.paired)
+                               cost=costs.forward(ref.config, batch=2 * len(batch), seq_len=seq_len)), ctx.autocast(), \
+                        ref() as ref_model:
+                    ref_lp = reference_logps(ref_model, batch, tok.pad_token_id, micro, paired=method.paired)
             else:
-                ref = None if ref_cache is None else ref_cache[torch.as_tensor(index)]
+                ref_lp = None if ref_cache is None else ref_cache[torch.as_tensor(index)]
             with ctx.phase("update", stage=cfg.folder, step=step,
                            cost=costs.train_step(t.model.config, batch=2 * len(batch), seq_len=seq_len)):
                 total, parts = 0.0, []
                 for i in range(0, len(batch), micro):
                     with ctx.autocast():
-                        sides = micro_sides(t.model, batch[i : i + micro], None if ref is None else ref[i : i + micro],
+                        sides = micro_sides(t.model, batch[i : i + micro], None if ref_lp is None else ref_lp[i : i + micro],
                                             tok.pad_token_id, paired=method.paired, length_normalized=method.length_normalized)
                         loss, stats = objective(sides, cfg, float(len(batch)))
                     loss.backward()

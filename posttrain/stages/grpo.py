@@ -29,7 +29,8 @@ Departures (numbered):
    generated and not trained on is counted (`dynamic/waste_frac`).
 4. A group in which any sample could not be judged (a verifier returned None) is dropped whole:
    a missing reward would put its siblings' advantages on a different baseline.
-5. The reference for the KL term is the checkpoint the stage started from, frozen.
+5. The reference for the KL term is the checkpoint the stage started from, frozen (with LoRA: the
+   policy with its adapters disabled, `_training.reference_policy`).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from posttrain.stages._rlvr import (
     score_rollout,
 )
 from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
-from posttrain.stages._training import Trainer, optimizer_step, save, start_or_resume
+from posttrain.stages._training import Trainer, optimizer_step, reference_policy, save, start_or_resume
 from posttrain.telemetry import costs, memory
 
 
@@ -295,7 +296,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
     if t.data_state is not None:
         sampler.load_state_dict(t.data_state)
     engine = ctx.rollout_engine(t.model, cfg.backend)
-    ref_model = ctx.load_model(ctx.start).eval() if cfg.kl_coef > 0 else None
+    ref = reference_policy(ctx, t.model) if cfg.kl_coef > 0 else None
     prompts_per_step = cfg.batch_size // cfg.group_size
     ctx.console.print(
         f"{stage}: loss {cfg.loss} ({variant.aggregation}, clip {1 - clip[0]:.2f}–{1 + clip[1]:.2f}), "
@@ -328,9 +329,9 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                              if cfg.share_prompt else (len(b), b.prompt_len + n - 1))
                     micro = math.ceil(len(b) / cfg.grad_accum)
                     ref_logps = None
-                    if ref_model is not None:
+                    if ref is not None:
                         with ctx.phase("reference", stage=stage, step=step,
-                                       cost=costs.forward(ref_model.config, batch=shape[0], seq_len=shape[1])):
+                                       cost=costs.forward(ref.config, batch=shape[0], seq_len=shape[1])), ref() as ref_model:
                             ref_logps = reference_logprobs(ref_model, b, micro, share_prompt=cfg.share_prompt,
                                                            pad_id=engine.pad_id)
                     for it in range(cfg.mu):
@@ -344,7 +345,8 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                         ph.cost = costs.Cost(bytes=engine.sync_weights(t.model))
                     if step == cfg.mu:  # once: what the phases' memory peaks are made of
                         ctx.telemetry.note_consumers(stage, step, memory.consumers(
-                            weights=t.model, optimizer=t.optimizer, reference=ref_model, engine=engine))
+                            weights=t.model, optimizer=t.optimizer, engine=engine,
+                            reference=ref.model if ref is not None and not ref.shared else None))
                 metrics["train/seconds_per_rollout"] = time.perf_counter() - t0
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     with ctx.phase("eval", stage=stage, step=step):

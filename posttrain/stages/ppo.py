@@ -50,6 +50,7 @@ from posttrain.losses import (
     token_logprobs,
     token_mean,
 )
+from posttrain.models import lora
 from posttrain.models.heads import (
     load_scalar_model,
     token_scores,
@@ -65,7 +66,10 @@ from posttrain.stages._learned_reward import (
 )
 from posttrain.stages._packing import padded_completion_logits
 from posttrain.stages._training import (
+    ReferencePolicy,
     build_optimizer,
+    describe_trainable,
+    reference_policy,
     save,
     start_or_resume,
     warmup_cosine,
@@ -97,6 +101,13 @@ def completion_values(critic, r: Rollout) -> Tensor:
     return token_scores(critic, r.sequence_ids[:, :-1], r.sequence_mask[:, :-1], r.position_ids[:, :-1])[:, p - 1 :]
 
 
+def trainable_state(model: torch.nn.Module) -> dict[str, Tensor]:
+    """What a checkpoint must hold of the critic: every weight, or with LoRA only what trains (the base is the reward model's)."""
+    if not lora.is_lora(model):
+        return model.state_dict()
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     """1 − Var(R − V) / Var(R) over masked-in tokens (1: perfect critic, 0: no better than a constant)."""
     keep = mask.bool()
@@ -124,8 +135,14 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
     prompt_ids = [encode_prompt(p, tok, cfg.max_prompt_len) for p in problems]
     gold = gold_task(ctx, cfg.folder, cfg.data, "gold/reward beside rm/score and the gold comparison")
     t = start_or_resume(ctx, cfg)
-    reference = ctx.load_model(ctx.start).eval().requires_grad_(False)
-    critic = load_scalar_model(rm_path, device=ctx.device).train()
+    reference = reference_policy(ctx, t.model)
+    critic = load_scalar_model(rm_path, device=ctx.device)
+    if lora.is_lora(t.model):  # the critic gets its own fresh adapter; its scalar head trains in full
+        spec = ctx.recipe.model.lora
+        critic = lora.wrap(critic, r=spec.r, alpha=spec.alpha, dropout=spec.dropout, target_modules=spec.target_modules,
+                           heads=("score",), base=rm_path)
+        ctx.console.print(describe_trainable(f"{cfg.folder} critic", critic))
+    critic.train()
     critic_optim_cfg = cfg.optim.model_copy(update={"lr": cfg.critic_lr})
     critic_opt = build_optimizer(critic, critic_optim_cfg)
     critic_sched = warmup_cosine(critic_opt, critic_optim_cfg, cfg.steps)
@@ -134,7 +151,7 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
     sampler = EpochSampler(len(problems), cfg.batch_size, seed=seed)
     if t.data_state is not None:
         sampler.load_state_dict(t.data_state["sampler"])
-        critic.load_state_dict(t.data_state["critic"])
+        critic.load_state_dict(t.data_state["critic"], strict=not lora.is_lora(critic))
         critic_opt.load_state_dict(t.data_state["critic_optimizer"])
         critic_sched.load_state_dict(t.data_state["critic_scheduler"])
         kl_ctl.load_state_dict(t.data_state["kl"])
@@ -147,7 +164,7 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
         f"{f' adaptive to {cfg.kl_target}' if cfg.kl_target else ' fixed'}")
 
     def data_state() -> dict:
-        return {"sampler": sampler.state_dict(), "critic": critic.state_dict(), "critic_optimizer": critic_opt.state_dict(),
+        return {"sampler": sampler.state_dict(), "critic": trainable_state(critic), "critic_optimizer": critic_opt.state_dict(),
                 "critic_scheduler": critic_sched.state_dict(), "kl": kl_ctl.state_dict()}
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -172,7 +189,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
             with ctx.phase("reference", stage=cfg.folder, step=step,
                            cost=costs.forward(reference.config, batch=len(r), seq_len=fwd_len)
                            + costs.forward(critic.config, batch=len(r), seq_len=fwd_len, logits="scalar")), torch.no_grad(), ctx.autocast():
-                ref_logps = token_logprobs(completion_logits(reference, r), r.completion_ids)  # (R, N)
+                with reference() as ref_model:
+                    ref_logps = token_logprobs(completion_logits(ref_model, r), r.completion_ids)  # (R, N)
                 old_values = completion_values(critic, r)  # (R, N)
             old_logps = r.policy_logprobs  # (R, N), departure 1
             rewards, kl_stats = kl_penalty_rewards(score, old_logps, ref_logps, mask, kl_coef=kl_ctl.value)
@@ -213,7 +231,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                 ph.cost = costs.Cost(bytes=engine.sync_weights(t.model))
             if step == 1:  # once: what the phases' memory peaks are made of
                 ctx.telemetry.note_consumers(cfg.folder, step, memory.consumers(
-                    weights=t.model, optimizer=t.optimizer, reference=reference, engine=engine, extra={
+                    weights=t.model, optimizer=t.optimizer, reference=None if reference.shared else reference.model,
+                    engine=engine, extra={
                         "critic + its optimizer state": memory.tensor_bytes(critic.parameters())
                         + memory.optimizer_state_bytes(critic_opt)}))
             kl = kl_stats.as_floats()
@@ -251,9 +270,11 @@ def select(r: Rollout, rows: Tensor) -> Rollout:
                    texts=[r.texts[i] for i in keep])
 
 
-def gold_comparison(ctx: RunContext, cfg: PPOStage, gold: Task, model, reference, step: int) -> dict[str, float]:
-    """The policy against the start policy on held-out problems, judged by the task's gold reward."""
+def gold_comparison(ctx: RunContext, cfg: PPOStage, gold: Task, model, reference: ReferencePolicy, step: int) -> dict[str, float]:
+    """The policy against the start policy on held-out problems, judged by the task's gold reward. With LoRA
+    the start policy is loaded for this once (its sampler cannot share the policy's merged decode weights)."""
     with ctx.phase("eval", stage=cfg.folder, step=step):
+        reference = ctx.load_model(ctx.start) if reference.shared else reference.model
         h2h = compare_to_reference(model, reference, ctx.tokenizer, gold.heldout_problems(cfg.eval_per_level), gold,
                                    temperature=cfg.eval_temperature, samples=cfg.eval_samples,
                                    max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed + 7)

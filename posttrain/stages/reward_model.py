@@ -179,7 +179,8 @@ def run_reward_model(cfg: RewardModelStage, ctx: RunContext) -> StageResult:
     kinds = [str(r.meta.get("kind", "all")) for r in held]
     # a new zero head on the start policy, or the scalar model of the checkpoint being resumed
     t = start_or_resume(ctx, cfg, load=lambda path, resuming: load_scalar_model(path, device=ctx.device,
-                                                                                zero_head=not resuming))
+                                                                                zero_head=not resuming),
+                        heads=("score",))  # with LoRA the scalar head trains in full beside the adapter
     sampler = EpochSampler(len(train), cfg.batch_size, seed=seed)
     if t.data_state is not None:
         sampler.load_state_dict(t.data_state)

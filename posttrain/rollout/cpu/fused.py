@@ -46,6 +46,12 @@ Departures from the HF forward (numbered):
    the bf16 copies would (the bf16 values, a folded norm rounded once to bf16 as in 3), widened
    exactly; activations are then not rounded to bf16 between ops, so the log-probs sit closer to the
    exact ones of the bf16 weights than a bf16 forward's do.
+11. LoRA (`models.lora`): an adapted projection is read as its merged weight W₀ + (α/r)·B·A, computed
+   at each rebuild into a scratch buffer of its shape that every layer reuses, then folded and copied
+   as above (o_proj/down_proj in fp32, which are otherwise the parameters themselves, get their own
+   copy); the module is never merged or rebuilt, and disabling the adapters rebuilds from W₀. Adapters
+   elsewhere (the embedding) or of another kind (DoRA) are refused with the reason
+   (`fused_unsupported_reason`); the engine then runs the HF forward, adapters unmerged.
 `HFForward` in `native.py` is the naive version; `FusedDecoder.__call__` (any number of new tokens)
 is the reference for `DecodePlan` (one); `tests/test_rollout_native.py` proves all three agree.
 """
@@ -59,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posttrain.models import lora
 from posttrain.rollout.cpu import ckernels
 from posttrain.rollout.cpu.decode_plan import DecodePlan
 from posttrain.rollout.kv_cache import KVCache
@@ -88,6 +95,21 @@ def fused_unsupported_reason(model: nn.Module) -> str | None:
         return "module layout differs from LlamaModel (embed_tokens, layers, norm, rotary_emb)"
     if not hasattr(model, "lm_head"):
         return "no lm_head"
+    return lora_unsupported_reason(model)
+
+
+def lora_unsupported_reason(model: nn.Module) -> str | None:
+    """None if every LoRA adapter of `model` sits on a decoder projection the fused path merges
+    (`FusedWeights`, departure 11), else which one does not."""
+    merged = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
+    for name, module in model.named_modules():
+        if not lora.active_adapters(module):
+            continue
+        if name.rsplit(".", 1)[-1] not in merged:
+            return f"a LoRA adapter on {name} (the fused path merges adapters on {sorted(merged)} only)"
+        reason = lora.unmergeable_reason(module)
+        if reason is not None:
+            return f"{name}: {reason}"
     return None
 
 
@@ -145,14 +167,29 @@ class FusedWeights:
         self._params = list(model.parameters())
         self._key: tuple | None = None
         self._buffers: dict[str, Tensor] = {}
+        self._scratch: dict[tuple, Tensor] = {}  # merged LoRA weights, one per shape (`_w`)
         self.layers: list[_Layer] = []
         self._projections: dict[str, tuple[int, list[_LayerProjections], MatmulForm]] = {}
         self.moved_bytes = 0
 
     def _version(self) -> tuple:
         # A parameter's `_version` moves on every in-place write (optimizer.step, load_state_dict, copy_),
-        # and `data_ptr` moves when it is replaced: together they say when the copies are stale.
-        return tuple((p.data_ptr(), p._version) for p in self._params)
+        # and `data_ptr` moves when it is replaced: together they say when the copies are stale. LoRA
+        # adapters are parameters too; whether they act (disabled or not) is the last part of the key.
+        return tuple((p.data_ptr(), p._version) for p in self._params), lora.adapter_state(self.model)
+
+    def _w(self, linear: nn.Module) -> Tensor:
+        """The weight `linear` multiplies by: its parameter (a detached view), or with active LoRA adapters
+        W₀ + (α/r)·B·A merged into a scratch buffer of that shape, reused by every layer (departure 11:
+        whatever reads it copies it at once; `_copy` keeps a persistent copy where it would not)."""
+        if not lora.active_adapters(linear):
+            return linear.weight.detach()
+        w = linear.weight
+        key = (tuple(w.shape), w.dtype, w.device)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = torch.empty_like(w, requires_grad=False)
+        return lora.merged_weight(linear, out=buf)
 
     def invalidate(self) -> None:
         """Rebuild at the next `refresh` whatever the version counters say (a fused optimizer step writes
@@ -170,7 +207,7 @@ class FusedWeights:
         """w (out, in) with the norm weight folded into its columns, in the copies' dtype. An fp32 weight
         with nothing to fold is returned as is (a detached view of the parameter)."""
         w = w.detach()
-        if norm is None and w.dtype == self._dt:
+        if norm is None and w.dtype == self._dt and not any(w.data_ptr() == s.data_ptr() for s in self._scratch.values()):
             return w
         out = self._buffer(name, tuple(w.shape), w)
         self.moved_bytes += w.nbytes + out.nbytes
@@ -183,9 +220,9 @@ class FusedWeights:
         out = self._buffer(name, ((heads + 2 * kv_heads) * d, hidden), a.q_proj.weight)
         n = norm.detach()
         q, k = out[: heads * d], out[heads * d : (heads + kv_heads) * d]
-        torch.mul(_paired(a.q_proj.weight.detach(), heads, d), n, out=q.view(heads, d // 2, 2, hidden))
-        torch.mul(_paired(a.k_proj.weight.detach(), kv_heads, d), n, out=k.view(kv_heads, d // 2, 2, hidden))
-        torch.mul(a.v_proj.weight.detach(), n, out=out[(heads + kv_heads) * d :])
+        torch.mul(_paired(self._w(a.q_proj), heads, d), n, out=q.view(heads, d // 2, 2, hidden))
+        torch.mul(_paired(self._w(a.k_proj), kv_heads, d), n, out=k.view(kv_heads, d // 2, 2, hidden))
+        torch.mul(self._w(a.v_proj), n, out=out[(heads + kv_heads) * d :])
         self.moved_bytes += a.q_proj.weight.nbytes + a.k_proj.weight.nbytes + a.v_proj.weight.nbytes + out.nbytes
         return out
 
@@ -216,19 +253,19 @@ class FusedWeights:
             gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
             wgu = self._buffer(f"{i}.gu", (gate.shape[0] + up.shape[0], gate.shape[1]), gate)
             norm = layer.post_attention_layernorm.weight.detach()
-            torch.mul(gate.detach(), norm, out=wgu[: gate.shape[0]])
-            torch.mul(up.detach(), norm, out=wgu[gate.shape[0]:])
+            torch.mul(self._w(mlp.gate_proj), norm, out=wgu[: gate.shape[0]])  # each merged weight is read
+            torch.mul(self._w(mlp.up_proj), norm, out=wgu[gate.shape[0]:])     # before the next one is merged
             self.moved_bytes += gate.nbytes + up.nbytes + wgu.nbytes
             layers.append(_Layer(
                 wqkv=self._qkv(f"{i}.qkv", a, layer.input_layernorm.weight, heads, kv_heads, d),
                 bqkv=bqkv,
-                wo=self._copy(f"{i}.o", a.o_proj.weight),
+                wo=self._copy(f"{i}.o", self._w(a.o_proj)),
                 bo=None if a.o_proj.bias is None else a.o_proj.bias.detach().to(dt),
                 wgu=wgu,
-                wd=self._copy(f"{i}.d", mlp.down_proj.weight),
+                wd=self._copy(f"{i}.d", self._w(mlp.down_proj)),
             ))
         embed = self._copy("embed", m.model.embed_tokens.weight)                # (V, H)
-        lm_head = self._copy("lm_head", m.lm_head.weight, m.model.norm.weight)  # (V, H), final norm folded
+        lm_head = self._copy("lm_head", self._w(m.lm_head), m.model.norm.weight)  # (V, H), final norm folded
         bias = getattr(m.lm_head, "bias", None)
         lm_head_bias = None if bias is None else bias.detach().to(dt)
         if self.compute is not None and self.compute != dt:                    # the rounded values, widened
