@@ -18,7 +18,7 @@ from posttrain.models import build_tiny, load_model, lora
 from posttrain.models.heads import load_scalar_model, token_scores
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.rollout.fused import FusedWeights, fused_unsupported_reason
+from posttrain.rollout.cpu.fused import FusedWeights, fused_unsupported_reason
 from posttrain.runtime.config import DPOStage, GRPOStage, PPOStage, PretrainStage, Recipe, RewardModelStage, SFTStage
 from posttrain.runtime.context import RunContext
 from posttrain.stages import _training, grpo as grpo_mod

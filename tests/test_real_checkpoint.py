@@ -17,7 +17,7 @@ from posttrain.data.encoding import response_mask
 from posttrain.losses.logprobs import token_logprobs
 from posttrain.losses.sft import sft_loss
 from posttrain.rollout import SamplingParams, make_engine
-from posttrain.rollout.fused import fused_unsupported_reason
+from posttrain.rollout.cpu import fused_unsupported_reason
 from posttrain.rollout.text import left_pad
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -18,6 +18,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -96,3 +97,12 @@ def smollm2_135m_instruct(cache_dir: str | Path | None = None) -> Path:
     if not (out / "config.json").is_file():
         convert_gguf(gguf, out)
     return out
+
+
+# `model.init` may name a built-in checkpoint, resolved offline (no hub): the name → its folder's builder
+NAMED_CHECKPOINTS: dict[str, Callable[[], Path]] = {"smollm2-135m-instruct": smollm2_135m_instruct}
+
+
+def checkpoint_folder(init: str | Path) -> Path:
+    """The HF folder `init` names: a named built-in checkpoint resolved to its cached folder, else the path."""
+    return NAMED_CHECKPOINTS[str(init)]() if str(init) in NAMED_CHECKPOINTS else Path(init)

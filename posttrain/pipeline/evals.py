@@ -43,15 +43,14 @@ def evaluate_checkpoint(checkpoint: str, spec: EvalSpec, *, seed: int = 0, threa
     checkpoint such as smollm2-135m-instruct), nothing else built. Returns its EvalRecords."""
     import torch
 
-    from posttrain.models import load_model, load_tokenizer
-    from posttrain.pipeline.run import init_folder
+    from posttrain.models import checkpoint_folder, load_model, load_tokenizer
     from posttrain.runtime.context import eval_key, eval_request
     from posttrain.tasks import TaskSet, build_task
     from posttrain.tasks.verified import JsonlTask
 
     if threads:
         torch.set_num_threads(threads)
-    folder = init_folder(checkpoint)
+    folder = checkpoint_folder(checkpoint)
     tok, model = load_tokenizer(folder), load_model(folder, device=torch.device(device))
     task = (build_task(spec.task, arithmetic_eval_per_level=spec.per_level_or_default or 0) if spec.task is not None
             else JsonlTask(spec.path, spec.verifier or "", name=spec.name, params=spec.params))

@@ -22,7 +22,7 @@ from rich.console import Console
 from posttrain.data import encode_sft_dataset, read_jsonl
 from posttrain.doctor import DoctorStop, LiveDoctor, Severity, load_streams, write_doctor_json
 from posttrain.doctor.diagnose import RUN_RULES
-from posttrain.models import build_tiny, count_parameters, load_model, load_tokenizer, smollm2_135m_instruct, train_tokenizer
+from posttrain.models import NAMED_CHECKPOINTS, build_tiny, checkpoint_folder, count_parameters, load_model, load_tokenizer, train_tokenizer
 from posttrain.models.tiny import PRESETS
 from posttrain.rollout.engine import backend_unavailable_reason
 from posttrain.runtime.checkpoint import final_checkpoint, publish
@@ -46,8 +46,6 @@ from posttrain.telemetry.revision import Announcer
 STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft": run_sft, "grpo": run_grpo,
                                                  "rejection_sampling": run_rejection_sampling,
                                                  "reward_model": run_reward_model, "dpo": run_dpo, "ppo": run_ppo}
-# `model.init` names a built-in checkpoint resolved offline (no hub): the name → a function returning its folder
-NAMED_CHECKPOINTS: dict[str, Callable[[], Path]] = {"smollm2-135m-instruct": smollm2_135m_instruct}
 __all__ = ["BASE", "RunError", "STAGES", "run_pipeline"]
 
 
@@ -111,11 +109,6 @@ def check_model_init(recipe: Recipe) -> None:
                        f"{sorted(NAMED_CHECKPOINTS)}, nor a folder with a config.json")
 
 
-def init_folder(init: str) -> Path:
-    """The HF folder `model.init` names (a named built-in checkpoint resolved to its cached folder)."""
-    return NAMED_CHECKPOINTS[init]() if init in NAMED_CHECKPOINTS else Path(init)
-
-
 def check_backends(recipe: Recipe) -> None:
     """Every stage's rollout backend can run here (vLLM: installed and a CUDA GPU), before anything starts."""
     for i, stage in enumerate(recipe.stages):
@@ -160,7 +153,7 @@ def make_base(recipe: Recipe, tasks: TaskSet, console: Console):
                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         console.print(f"base: {m.init} ({m.arch}) built from scratch, {count_parameters(model):,} parameters, vocabulary {len(tok)}")
         return model, tok
-    folder = init_folder(m.init)
+    folder = checkpoint_folder(m.init)
     tok, model = load_tokenizer(folder), load_model(folder)
     console.print(f"base: loaded {m.init}{'' if str(folder) == m.init else f' ({folder})'}, {count_parameters(model):,} parameters")
     return model, tok

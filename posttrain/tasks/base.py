@@ -13,15 +13,13 @@ stage reads a task's records exactly as it reads a user's JSONL file.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from posttrain.data.records import Problem, Record
-from posttrain.tasks.records import EvalRecord
+from posttrain.tasks.evaluate import evaluate_problems
+from posttrain.tasks.records import EvalRecord, EvalRequest, PhaseFn
 
-PhaseFn = Callable[[], AbstractContextManager[Any]]  # opens the phase an eval's generation batch is timed in
 
 
 class Capability(str, Enum):  # str-valued (StrEnum is 3.11+; the project supports 3.10)
@@ -52,29 +50,6 @@ class MissingCapability(TaskError):
     def __init__(self, task: Task, capability: Capability | str):
         have = ", ".join(sorted(c.value for c in task.capabilities)) or "nothing"
         super().__init__(f"task {task.name!r} has no {Capability(capability).value!r} (it supplies: {have})")
-
-
-@dataclass(frozen=True)
-class EvalRequest:
-    """What one eval of a task measures (the recipe's `evals:` entry, or `posttrain eval`'s flags).
-
-    `levels` None: every level the task has. `per_level` None: every held-out problem. `k` empty: no
-    sampled pass@k; otherwise `samples` (default max(k)) answers per problem at `temperature`."""
-
-    levels: tuple[str, ...] | None = None
-    per_level: int | None = None
-    greedy: bool = True
-    k: tuple[int, ...] = ()
-    samples: int | None = None
-    temperature: float = 1.0
-    max_new_tokens: int = 48
-    batch_size: int = 128
-    probe: bool = True
-    seed: int = 0
-
-    @property
-    def n_samples(self) -> int:
-        return self.samples or (max(self.k) if self.k else 0)
 
 
 Judge = Callable[[Sequence[Problem], Sequence[str], Sequence[str]], list[bool]]
@@ -128,8 +103,6 @@ class Task:
     def evaluate(self, model: Any, tokenizer: Any, request: EvalRequest, *, stage: str, checkpoint: str,
                  phase: PhaseFn | None = None) -> list[EvalRecord]:
         """The task's held-out eval of one checkpoint: greedy pass@1 and sampled pass@k per level."""
-        from posttrain.tasks.evaluate import evaluate_problems
-
         if not self.has(Capability.EVALS):
             raise self._missing(Capability.EVALS)
         return evaluate_problems(self, model, tokenizer, request, stage=stage, checkpoint=checkpoint, phase=phase)

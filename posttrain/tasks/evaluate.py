@@ -11,7 +11,7 @@ the same checkpoint gives the same numbers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,10 +20,19 @@ from posttrain.data.records import Problem
 from posttrain.rewards.passk import ProblemOutcome, pass_at_k_by_level
 from posttrain.rollout import SamplingParams, make_engine
 from posttrain.rollout.greedy import greedy
-from posttrain.tasks.records import EvalRecord, binomial_stderr
+from posttrain.tasks.records import EvalRecord, EvalRequest, PhaseFn, binomial_stderr
 
-if TYPE_CHECKING:
-    from posttrain.tasks.base import EvalRequest, PhaseFn, Task
+
+
+class Task(Protocol):
+    """What the generic eval reads of a problem task (`base.Task` has it)."""
+
+    name: str
+    levels: tuple[str, ...]
+
+    def check_levels(self, levels: Sequence[str]) -> None: ...
+    def eval_problems(self, level: str | None) -> list[Problem]: ...
+    def judge(self, problems: Sequence[Problem], texts: Sequence[str], finish: Sequence[str]) -> list[bool]: ...
 
 
 def eval_sets(task: Task, request: EvalRequest) -> dict[str | None, list[Problem]]:

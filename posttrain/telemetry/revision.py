@@ -19,12 +19,21 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from posttrain.telemetry.devices import Peaks
 
-if TYPE_CHECKING:
-    from posttrain.telemetry.phases import PhaseRecord
+
+class PhaseRecord(Protocol):
+    """What a revision reads of a phase occurrence (`phases.PhaseRecord` has it; declared here so this
+    module stays below `phases`, which applies it)."""
+
+    name: str
+    stage: str
+    step: int
+    seconds: float
+    flops: float
+    bytes: float
 
 # A rate within this factor of the roof is noise, not a revision (perf_counter resolution, a timer tick).
 TOLERANCE = 1.0 + 1e-9
