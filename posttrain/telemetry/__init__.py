@@ -21,6 +21,7 @@ from posttrain.telemetry.devices import (
     measure_cpu_peaks,
 )
 from posttrain.telemetry.gap import Gap, gap, gaps_by_cycle, gaps_by_stage
+from posttrain.telemetry.memory import consumers
 from posttrain.telemetry.phases import (
     STANDARD_PHASES,
     Phase,
@@ -28,6 +29,7 @@ from posttrain.telemetry.phases import (
     Telemetry,
     read_phases,
 )
+from posttrain.telemetry.revision import Revision, revise
 from posttrain.telemetry.roofline import (
     OVERHEAD_BELOW,
     Bound,
@@ -63,9 +65,11 @@ __all__ = [
     "Phase",
     "PhaseRecord",
     "Placement",
+    "Revision",
     "Telemetry",
     "TensorBoardSink",
     "WandbSink",
+    "consumers",
     "costs",
     "detect",
     "gap",
@@ -74,5 +78,6 @@ __all__ = [
     "measure_cpu_peaks",
     "place",
     "read_phases",
+    "revise",
     "ridge_point",
 ]
