@@ -72,7 +72,9 @@ def test_no_library_code_reaches_through_an_engine_to_its_model():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_a_recipe_naming_vllm_fails_before_the_run_in_one_line():
     recipe = Recipe.model_validate({"name": "v", "model": {"init": "tiny-1m"},
-                                    "stages": [{"stage": "sft", "steps": 1}, {"stage": "grpo", "steps": 1, "backend": "vllm"}]})
+                                    "stages": [{"stage": "sft", "steps": 1, "data": [{"task": "arithmetic", "n": 8}]},
+                                               {"stage": "grpo", "steps": 1, "backend": "vllm",
+                                                "data": [{"task": "arithmetic", "n": 8}]}]})
     assert recipe.stages[1].backend == "vllm"                     # the recipe accepts it
     assert backend_unavailable_reason("native") is None
     with pytest.raises(RunError, match=r"^stages\[1\]\.backend: 'vllm', but the vLLM backend needs") as e:
