@@ -15,7 +15,7 @@ from posttrain.data.records import Problem
 from posttrain.pipeline.evals import renamed
 from posttrain.runtime.config import DataSource, EvalSpec, Recipe, RecipeError, load_recipe
 from posttrain.runtime.context import eval_plan, make_tasks
-from posttrain.tasks import Capability, EvalRecord, EvalRequest, MissingCapability, MissingTask, TaskError, TaskSet
+from posttrain.tasks import Capability, EvalRecord, EvalRequest, MissingCapability, MissingTask, TaskError
 from posttrain.tasks import evaluate as evaluate_mod
 from posttrain.tasks.arithmetic import ArithmeticTask
 from posttrain.tasks.registry import HumanEvalTask
