@@ -157,7 +157,10 @@ def test_ppo_trains_every_parameter_and_raises_the_reward(tmp_path, policy_dir, 
     rm_dir = make_reward_model(tmp_path / "rm", policy_dir)
     cfg = PPOStage(reward_model=str(rm_dir), steps=8, batch_size=16, minibatch_size=8, ppo_epochs=2, max_new_tokens=6,
                    data=[{"world": "arithmetic", "n": 64}], missing_eos_score=None, kl_coef=0.01, critic_lr=3e-3,
-                   eval_per_level=2, eval_samples=1, log_every=1, optim={**FAST, "lr": 1e-2})
+                   eval_per_level=2, eval_samples=1, log_every=1, optim={**FAST, "lr": 3e-2})
+    # lr 3e-2: at 1e-2 the 16-sample RM mean wanders ±1 around its start for 8 steps on an AVX2 machine
+    # (9.73, 8.54, 9.38, 10.3, 9.61, 10.95, 9.10, 9.62) — the rise is there only in longer runs; at 3e-2
+    # it climbs 9.7 → 15.4 in the same 8 steps, far past the +0.5 the assertion asks
     ctx, sink = make_ctx(tmp_path / "run", policy_dir, tokenizer, world, cfg)
     result = run_ppo(cfg, ctx)
     before = load_file(policy_dir / "model.safetensors")
