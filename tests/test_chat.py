@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
