@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from posttrain.models import build_tiny, load_model, lora
+from posttrain.models import load_model, lora
 from posttrain.models.heads import load_scalar_model, token_scores
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import SamplingParams, make_engine
