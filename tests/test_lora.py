@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from posttrain.models import build_tiny, load_model, lora
+from posttrain.models import load_model, lora
 from posttrain.models.heads import load_scalar_model, token_scores
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import SamplingParams, make_engine
@@ -413,3 +413,17 @@ def test_grpo_resume_with_lora_is_exact(tmp_path, policy_dir, tokenizer, world, 
     a, b = adapter_checkpoint(straight), adapter_checkpoint(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], torch.zeros_like(a[k])) for k in a if "lora_B" in k)  # it trained
+
+
+def test_recipe_lora_block_is_validated(tmp_path):
+    from posttrain.runtime.config import RecipeError, load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text("stages: [{stage: sft}]\nmodel: {lora: {rank: 8}}\n")
+    with pytest.raises(RecipeError, match=r"r.yaml: model.lora.rank: unknown key"):
+        load_recipe(path)
+    path.write_text("stages: [{stage: sft}]\n")
+    assert load_recipe(path).model.lora is None  # full fine-tuning by default
+    assert load_recipe(path, ["model.lora.r=8"]).model.lora.r == 8  # the rest take their defaults
+    with pytest.raises(RecipeError, match=r"model.lora.r: Input should be greater than 0"):
+        load_recipe(path, ["model.lora.r=0"])

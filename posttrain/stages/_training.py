@@ -25,7 +25,6 @@ import torch
 from transformers import PreTrainedModel
 
 from posttrain.models import lora
-
 from posttrain.runtime.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
 from posttrain.runtime.config import OptimConfig, TrainStage
 from posttrain.runtime.context import RunContext
