@@ -18,6 +18,8 @@ DATA = Path(__file__).parent / "data" / "doctor"
 # run folder → (rule, stage, severity, first_step) the doctor must report; measured on the recorded streams
 FAILURES = {
     "sft-overfit": ("overfitting", "sft", Severity.CRITICAL, 100),  # held-out min 1.212 at step 70; 1.279 at 100
+    "dpo-displacement": ("likelihood_displacement", "dpo", Severity.CRITICAL, 10),  # chosen −10.0 → −15.9, rejected −14.0 → −28.2
+    "grpo-format-only": ("verifier_gaming", "grpo", Severity.CRITICAL, 9),  # format 0.61 → 0.80, math 0.00 → 0.00
 }
 HEALTHY = ["demo"]
 
@@ -33,7 +35,7 @@ def test_induced_failure_is_flagged(name):
     hit = [f for f in findings if f.rule == rule and f.stage == stage]
     assert hit, [f.rule for f in findings]
     assert hit[0].severity == severity and hit[0].first_step == first_step, hit[0].summary
-    assert [f.rule for f in criticals(findings)] in ([], [rule]) or all(f.rule == rule for f in criticals(findings))
+    assert all(f.rule == rule for f in criticals(findings)), [f.plain() for f in criticals(findings)]
 
 
 @pytest.mark.parametrize("name", HEALTHY)
