@@ -20,6 +20,7 @@ FAILURES = {
     "sft-overfit": ("overfitting", "sft", Severity.CRITICAL, 100),  # held-out min 1.212 at step 70; 1.279 at 100
     "dpo-displacement": ("likelihood_displacement", "dpo", Severity.CRITICAL, 10),  # chosen −10.0 → −15.9, rejected −14.0 → −28.2
     "grpo-format-only": ("verifier_gaming", "grpo", Severity.CRITICAL, 9),  # format 0.61 → 0.80, math 0.00 → 0.00
+    "grpo-entropy-collapse": ("entropy_collapse", "grpo", Severity.CRITICAL, 7),  # entropy 0.599 → 0.005 nats
 }
 HEALTHY = ["demo"]
 
