@@ -24,7 +24,7 @@ FAILURES = {
     # RM score +0.24 → +2.07 while gold fell from its 0.09 peak (step 4) to 0.02; gold started at 0.06, so only a warning
     "ppo-length-rm": ("reward_overoptimization", "ppo", Severity.WARNING, 25),
 }
-HEALTHY = ["demo"]
+HEALTHY = ["demo", "demo-dpo-seed1", "demo-dpo-seed2"]
 
 
 def criticals(findings):
