@@ -129,3 +129,15 @@ def test_failure_recipes_validate_and_name_their_command(path, monkeypatch):
     for stage in recipe.stages:
         for src in getattr(stage, "data", []):
             assert src.path is None or src.path.is_file(), src.path
+
+
+def test_a_transient_live_finding_stays_in_doctor_json(tmp_path):
+    from posttrain.doctor import Finding, write_doctor_json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(yaml.safe_dump({"stages": [{"stage": "sft", "steps": 80}]}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(8)))  # healthy now
+    seen = Finding("length_explosion", "ppo", Severity.WARNING, 14, "length 20.9 → 31.5", "why", "try")
+    _, findings = write_doctor_json(run, live=[seen])
+    assert [f.rule for f in findings] == ["length_explosion"] and "seen live" in findings[0].summary

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,9 +63,11 @@ def diagnose(run: RunStreams, errors: list[str] | None = None) -> list[Finding]:
 
 
 def write_doctor_json(run_dir: str | Path, *, cost: dict[str, Any] | None = None,
-                      stopped: dict[str, Any] | None = None) -> tuple[Path, list[Finding]]:
+                      stopped: dict[str, Any] | None = None, live: list[Finding] | None = None) -> tuple[Path, list[Finding]]:
     """Diagnose the run folder and write `doctor.json` (atomically). `cost` merges into the earlier
-    file's (a resumed run keeps its first part's); `stopped`: None keeps the earlier record, {} clears it."""
+    file's (a resumed run keeps its first part's); `stopped`: None keeps the earlier record, {} clears it;
+    `live`: the findings the live doctor printed — one that no longer holds on the whole stream (a
+    transient) is kept, marked as such."""
     run_dir = Path(run_dir)
     path = run_dir / "doctor.json"
     old: dict[str, Any] = {}
@@ -75,6 +78,10 @@ def write_doctor_json(run_dir: str | Path, *, cost: dict[str, Any] | None = None
             old = {}
     errors: list[str] = []
     findings = diagnose(load_streams(run_dir), errors)
+    keys = {f.key for f in findings}
+    for f in live or []:  # printed during the run but no longer true of the whole stream: kept, and said so
+        if f.key not in keys:
+            findings.append(replace(f, summary=f"{f.summary} [seen live; no longer holds at the stage's end]"))
     doc = {"version": 1, "rules": RULE_NAMES, "findings": [f.to_json() for f in findings],
            "stopped": (stopped or None) if stopped is not None else old.get("stopped"),
            "cost": {**old.get("cost", {}), **(cost or {})}, "errors": errors}

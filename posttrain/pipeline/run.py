@@ -264,7 +264,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
         telemetry.close()
         tasks.close()
         try:  # every run ends with doctor.json, a stopped or crashed one too (its streams are the evidence)
-            write_doctor_json(run_dir, cost=doctor.cost_json(), stopped=stopped or {})
+            write_doctor_json(run_dir, cost=doctor.cost_json(), stopped=stopped or {}, live=list(doctor.seen.values()))
         except Exception as e:  # never mask the run's own outcome
             console.print(f"[yellow]doctor: could not write doctor.json: {type(e).__name__}: {e}")
     return read_evals(evals_path)
