@@ -29,7 +29,7 @@ from posttrain.stages.pretrain import run_pretrain
 from posttrain.stages.reward_model import run_reward_model
 from posttrain.stages.sft import run_sft
 from posttrain.telemetry import Telemetry
-from conftest import ListSink, make_reward_model
+from conftest import ListSink, make_reward_model, world_tasks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -237,9 +237,10 @@ FAST = {"lr": 1e-2, "warmup_steps": 1, "min_lr_ratio": 1.0}
 def make_ctx(run_dir: Path, start: Path, tokenizer, world, stage, targets: list[str] = ALL) -> tuple[RunContext, ListSink]:
     torch.manual_seed(0)
     recipe = Recipe(stages=[stage], threads=1, model={"lora": {**LORA, "target_modules": targets}},
-                    eval={"levels": ["L2"], "max_new_tokens": 16})
+                    evals=[{"task": "arithmetic", "levels": ["L2"], "max_new_tokens": 16}])
     sink = ListSink()
-    return RunContext(run_dir=run_dir, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer, world=world,
+    return RunContext(run_dir=run_dir, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer,
+                      tasks=world_tasks(world),
                       telemetry=Telemetry.disabled(), sink=sink, start=start), sink
 
 
@@ -286,7 +287,7 @@ def test_pretrain_and_sft_with_lora(tmp_path, policy_dir, tokenizer, world, wrap
     assert sum(losses[-2:]) / 2 < losses[0], losses
     adapter_checkpoint(pre.checkpoint)
 
-    cfg = SFTStage(steps=6, batch_size=8, max_len=96, heldout=8, data=[{"world": "arithmetic", "n": 8}],
+    cfg = SFTStage(steps=6, batch_size=8, max_len=96, heldout=8, data=[{"task": "arithmetic", "n": 8}],
                    log_every=1, save_every=50, optim=FAST)
     ctx, sink = make_ctx(tmp_path / "sft", pre.checkpoint, tokenizer, world, cfg)
     sft = run_sft(cfg, ctx)
@@ -301,7 +302,7 @@ def test_pretrain_and_sft_with_lora(tmp_path, policy_dir, tokenizer, world, wrap
 
 def test_reward_model_with_lora_trains_its_head(tmp_path, policy_dir, tokenizer, world, wraps):
     cfg = RewardModelStage(steps=6, batch_size=24, heldout=16, norm_samples=8, samples_per_prompt=4, max_new_tokens=8,
-                           data=[{"world": "arithmetic", "n": 16}], rankings=[{"world": "arithmetic", "n": 8}],
+                           data=[{"task": "arithmetic", "n": 16}], rankings=[{"task": "arithmetic", "n": 8}],
                            log_every=1, optim=FAST)
     ctx, sink = make_ctx(tmp_path, policy_dir, tokenizer, world, cfg)
     run_reward_model(cfg, ctx)
@@ -327,7 +328,7 @@ def test_dpo_with_lora_uses_the_disabled_adapters_as_reference(tmp_path, policy_
     loads = []
     orig = RunContext.load_model
     monkeypatch.setattr(RunContext, "load_model", lambda self, path: loads.append(path) or orig(self, path))
-    cfg = DPOStage(steps=4, batch_size=16, grad_accum=2, data=[{"world": "arithmetic", "n": 16}], eval_per_level=0,
+    cfg = DPOStage(steps=4, batch_size=16, grad_accum=2, data=[{"task": "arithmetic", "n": 16}], eval_per_level=0,
                    log_every=1, reference="recompute", optim={**FAST, "lr": 3e-3})
     ctx, sink = make_ctx(tmp_path, policy_dir, tokenizer, world, cfg)
     run_dpo(cfg, ctx)
@@ -346,7 +347,7 @@ def _digits(completions: list[str], **_) -> list[float]:
 def test_grpo_with_lora_learns_against_the_disabled_reference(tmp_path, policy_dir, tokenizer, world, wraps, monkeypatch):
     monkeypatch.setattr(grpo_mod, "build_rewards", lambda specs: [WeightedVerifier("digits", _digits)])
     cfg = GRPOStage(steps=8, batch_size=16, group_size=4, max_new_tokens=8, log_every=1, save_every=8, loss="dapo",
-                    kl_coef=0.05, data=[{"world": "arithmetic", "n": 200}],
+                    kl_coef=0.05, data=[{"task": "arithmetic", "n": 200}],
                     optim={"lr": 5e-2, "warmup_steps": 0, "min_lr_ratio": 1.0})
     # lm_head adapted too: on a random tiny model the share of digit tokens moves in 8 steps only through
     # the output layer (measured: projections only, 0.02 → 0.02 at lr 5e-2 to 2e-1; with lm_head 0.02 → 1.0)
@@ -369,7 +370,7 @@ def test_grpo_with_lora_learns_against_the_disabled_reference(tmp_path, policy_d
 def test_ppo_with_lora_policy_and_critic(tmp_path, policy_dir, tokenizer, world, wraps):
     rm_dir = make_reward_model(tmp_path / "rm", policy_dir)
     cfg = PPOStage(reward_model=str(rm_dir), steps=8, batch_size=16, minibatch_size=8, ppo_epochs=2, max_new_tokens=6,
-                   data=[{"world": "arithmetic", "n": 64}], missing_eos_score=None, kl_coef=0.01, critic_lr=3e-3,
+                   data=[{"task": "arithmetic", "n": 64}], missing_eos_score=None, kl_coef=0.01, critic_lr=3e-3,
                    eval_per_level=2, eval_samples=1, log_every=1, optim={**FAST, "lr": 3e-2})
     ctx, sink = make_ctx(tmp_path / "run", policy_dir, tokenizer, world, cfg, targets=ALL + ["lm_head"])  # as in GRPO
     result = run_ppo(cfg, ctx)
@@ -387,7 +388,7 @@ def test_ppo_with_lora_policy_and_critic(tmp_path, policy_dir, tokenizer, world,
 def test_grpo_resume_with_lora_is_exact(tmp_path, policy_dir, tokenizer, world, monkeypatch):
     def cfg_():
         return GRPOStage(steps=4, batch_size=8, group_size=4, max_new_tokens=8, save_every=2, log_every=1, mu=2,
-                         kl_coef=0.05, data=[{"world": "arithmetic", "n": 40}], optim={"lr": 3e-2, "warmup_steps": 0})
+                         kl_coef=0.05, data=[{"task": "arithmetic", "n": 40}], optim={"lr": 3e-2, "warmup_steps": 0})
 
     monkeypatch.setattr(grpo_mod, "build_rewards", lambda specs: [WeightedVerifier("digits", _digits)])
     ctx, _ = make_ctx(tmp_path / "straight", policy_dir, tokenizer, world, cfg_())
@@ -419,10 +420,10 @@ def test_recipe_lora_block_is_validated(tmp_path):
     from posttrain.runtime.config import RecipeError, load_recipe
 
     path = tmp_path / "r.yaml"
-    path.write_text("stages: [{stage: sft}]\nmodel: {lora: {rank: 8}}\n")
+    path.write_text("stages: [{stage: sft, data: [{task: arithmetic, n: 8}]}]\nmodel: {lora: {rank: 8}}\n")
     with pytest.raises(RecipeError, match=r"r.yaml: model.lora.rank: unknown key"):
         load_recipe(path)
-    path.write_text("stages: [{stage: sft}]\n")
+    path.write_text("stages: [{stage: sft, data: [{task: arithmetic, n: 8}]}]\n")
     assert load_recipe(path).model.lora is None  # full fine-tuning by default
     assert load_recipe(path, ["model.lora.r=8"]).model.lora.r == 8  # the rest take their defaults
     with pytest.raises(RecipeError, match=r"model.lora.r: Input should be greater than 0"):
