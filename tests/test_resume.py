@@ -43,13 +43,14 @@ STAGES = ("pretrain", "sft", "dpo", "grpo")
 
 def four_stage_recipe() -> dict:
     d = tiny_recipe_dict(threads=1, telemetry={"measure_cpu": False},
-                         eval={"per_level": 4, "levels": ["L1"], "max_new_tokens": 16, "batch_size": 16})
+                         evals=[{"task": "arithmetic", "per_level": 4, "levels": ["L1"], "max_new_tokens": 16,
+                                 "batch_size": 16}])
     d["stages"] += [
-        {"stage": "dpo", "steps": 4, "batch_size": 8, "max_len": 96, "data": [{"world": "arithmetic", "n": 64}],
+        {"stage": "dpo", "steps": 4, "batch_size": 8, "max_len": 96, "data": [{"task": "arithmetic", "n": 64}],
          "eval_per_level": 0, "save_every": 2, "log_every": 1, "optim": {"lr": 1e-4, "warmup_steps": 1}},
         {"stage": "grpo", "steps": 4, "batch_size": 16, "group_size": 4, "max_new_tokens": 16,
          "rewards": [{"name": "gold"}], "save_every": 2, "log_every": 1,
-         "data": [{"world": "arithmetic", "n": 200}], "levels": ["L1"]},
+         "data": [{"task": "arithmetic", "n": 200}], "levels": ["L1"]},
     ]
     return d
 

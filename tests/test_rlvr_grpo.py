@@ -253,11 +253,14 @@ def test_resume_after_kill_is_exact(tmp_path, policy_dir, tokenizer, world, monk
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+DATA = [{"task": "arithmetic", "n": 8}]
+
+
 def test_config_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple of group_size"):
-        GRPOStage(batch_size=30, group_size=8)
+        GRPOStage(batch_size=30, group_size=8, data=DATA)
     with pytest.raises(ValueError, match="multiples of mu"):
-        GRPOStage(steps=5, mu=2)
+        GRPOStage(steps=5, mu=2, data=DATA)
 
 
 def test_stage_with_shared_prompts_stays_on_policy(tmp_path, policy_dir, tokenizer, world, monkeypatch):

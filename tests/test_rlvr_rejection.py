@@ -158,6 +158,6 @@ def test_rejection_sampling_scores_by_a_reward_model_alone_or_added_to_verifiers
 
 def test_rejection_sampling_needs_something_to_score_with(tmp_path, policy_dir, tokenizer, world):
     with pytest.raises(ValueError, match="nothing would score the samples"):
-        RejectionSamplingStage(rewards=[])
+        RejectionSamplingStage(rewards=[], data=[{"task": "arithmetic", "n": 8}])
     with pytest.raises(ValueError, match="neither a finished reward_model stage"):
         _kept(tmp_path, "x", policy_dir, tokenizer, world, reward_model=str(tmp_path / "nowhere"))

@@ -17,7 +17,7 @@ from posttrain.stages import grpo as grpo_mod
 from posttrain.stages.ppo import run_ppo
 from posttrain.telemetry import Telemetry, read_phases
 from posttrain.telemetry.devices import Peaks
-from conftest import ListSink, make_reward_model
+from conftest import ListSink, make_reward_model, world_tasks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PEAKS = Peaks(name="synthetic", kind="cpu", flops={"fp32": 1e15}, bytes_per_s=1e15, source="test")
@@ -49,9 +49,9 @@ def test_native_sync_moves_the_weights_before_generate(policy_dir, tokenizer):
 
 def _ctx(run_dir, start, tokenizer, world, stage) -> RunContext:
     torch.manual_seed(0)
-    recipe = Recipe(stages=[stage], threads=1, eval={"levels": ["L2"], "max_new_tokens": 8})
+    recipe = Recipe(stages=[stage], threads=1, evals=[{"task": "arithmetic", "levels": ["L2"], "max_new_tokens": 8}])
     tele = Telemetry.open(run_dir, peaks=PEAKS, busy=False)
-    return RunContext(run_dir=run_dir, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer, world=world,
+    return RunContext(run_dir=run_dir, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer, tasks=world_tasks(world),
                       telemetry=tele, sink=ListSink(), start=start)
 
 
@@ -74,7 +74,7 @@ def _check_sync(run_dir, stage: str, steps: list[int]) -> None:
 def test_grpo_times_sync_with_bytes(tmp_path, policy_dir, tokenizer, world, monkeypatch):
     monkeypatch.setattr(grpo_mod, "build_rewards", lambda specs: [WeightedVerifier("digits", _digits)])
     cfg = GRPOStage(steps=2, batch_size=8, group_size=4, max_new_tokens=6, log_every=1, save_every=2, loss="dapo",
-                    kl_coef=0.05, data=[{"world": "arithmetic", "n": 50}], eval_every=0,
+                    kl_coef=0.05, data=[{"task": "arithmetic", "n": 50}], eval_every=0,
                     optim={"lr": 1e-3, "warmup_steps": 0, "min_lr_ratio": 1.0})
     ctx = _ctx(tmp_path, policy_dir, tokenizer, world, cfg)
     grpo_mod.run_grpo(cfg, ctx)
@@ -85,7 +85,7 @@ def test_grpo_times_sync_with_bytes(tmp_path, policy_dir, tokenizer, world, monk
 def test_ppo_times_sync_with_bytes(tmp_path, policy_dir, tokenizer, world):
     rm_dir = make_reward_model(tmp_path / "rm", policy_dir)
     cfg = PPOStage(reward_model=str(rm_dir), steps=2, batch_size=8, minibatch_size=8, ppo_epochs=1, max_new_tokens=4,
-                   data=[{"world": "arithmetic", "n": 32}], missing_eos_score=None, kl_coef=0.01, eval_per_level=1,
+                   data=[{"task": "arithmetic", "n": 32}], missing_eos_score=None, kl_coef=0.01, eval_per_level=1,
                    eval_samples=1, log_every=1, optim={"lr": 1e-3, "warmup_steps": 0, "min_lr_ratio": 1.0})
     ctx = _ctx(tmp_path / "run", policy_dir, tokenizer, world, cfg)
     run_ppo(cfg, ctx)
