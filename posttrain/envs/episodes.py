@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from enum import Enum
@@ -48,6 +49,10 @@ from posttrain.envs.base import Budget, EnvFactory, Environment, StepResult
 from posttrain.envs.transcript import Transcript
 from posttrain.rollout import RolloutEngine, SamplingParams
 from posttrain.rollout.text import positions_from_mask
+
+# `phase("generate")` / `phase("tool")` around each generate call and each wait on environments: a stage
+# passes its telemetry (`ctx.phase`); a handle with `add(cost)` gets the generate call's decode cost.
+PhaseHook = Callable[[str], AbstractContextManager]
 
 
 class EpisodeEnd(str, Enum):  # str-valued (StrEnum is 3.11+; the project supports 3.10)
@@ -95,7 +100,7 @@ class EpisodeRun:
     episodes: list[Episode]
     generate_calls: int
     generate_seconds: float  # wall time inside engine.generate
-    wait_seconds: float      # wall time the loop waited on environment steps with nothing to generate
+    wait_seconds: float      # wall time the loop spent waiting on environment steps and rendering their answers
 
 
 @dataclass
@@ -130,10 +135,15 @@ def _timed_step(env: Environment, text: str) -> tuple[StepResult, float]:
 
 def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, factory: EnvFactory,
                  problems: Sequence[Problem], *, budget: Budget = Budget(), params: SamplingParams = SamplingParams(),
-                 tool_wait_s: float | None = None, workers: int = 8) -> EpisodeRun:
+                 tool_wait_s: float | None = None, workers: int = 8,
+                 phase: PhaseHook = lambda name: nullcontext()) -> EpisodeRun:
     """One episode per problem (repeat a problem G times for a GRPO group). `params.n` must be 1;
     `params.max_new_tokens` is replaced by the budget's room each turn; with a seed, generate call k
-    uses seed + k. Raises ValueError if a first prompt leaves no room in the token budget."""
+    uses seed + k. Raises ValueError if a first prompt leaves no room in the token budget.
+
+    `phase` times the loop's two kinds of work (see `PhaseHook`): `generate`, and `tool` — the time the
+    loop waits on environment steps (in lockstep, the tools' whole wall time; with `tool_wait_s`, only
+    what generation did not hide)."""
     if params.n != 1:
         raise ValueError(f"run_episodes: params.n={params.n}; repeat the problem instead (one episode per row)")
     transcript = Transcript(tokenizer, engine.eos_ids)
@@ -154,16 +164,21 @@ def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, fact
         while ready or pending:
             if not ready:  # every live episode waits on its environment
                 t0 = time.perf_counter()
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                with phase("tool"):
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    ready += _absorb(done, pending, live, transcript, budget)
                 wait_s += time.perf_counter() - t0
-                ready += _absorb(done, pending, live, transcript, budget)
                 continue
             rows, ready = sorted(ready), []
             rooms = [min(budget.turn_tokens, budget.max_tokens - len(live[r].ids)) for r in rows]
             call_params = dataclasses.replace(params, max_new_tokens=max(rooms),
                                               seed=None if params.seed is None else params.seed + calls)
             t0 = time.perf_counter()
-            ro = engine.generate([live[r].ids for r in rows], call_params)
+            with phase("generate") as handle:
+                ro = engine.generate([live[r].ids for r in rows], call_params)
+                if hasattr(handle, "add"):
+                    handle.add(engine.decode_cost(batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
+                                                  new_tokens=max(1, ro.completion_ids.shape[1])))
             gen_s += time.perf_counter() - t0
             calls += 1
             lengths = ro.completion_lengths.tolist()
@@ -180,9 +195,10 @@ def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, fact
                 pending[pool.submit(_timed_step, ep.env, ep.last_text)] = r
             # Lockstep: wait for the whole round. Overlap: wait at most tool_wait_s; late rows join later calls.
             t0 = time.perf_counter()
-            done, _ = wait(pending, timeout=tool_wait_s)
+            with phase("tool"):  # the environments' answers rendered to tokens are billed here too
+                done, _ = wait(pending, timeout=tool_wait_s)
+                ready += _absorb(done, pending, live, transcript, budget)
             wait_s += time.perf_counter() - t0
-            ready += _absorb(done, pending, live, transcript, budget)
 
     episodes = [Episode(ep.index, ep.messages, torch.tensor(ep.ids, dtype=torch.long), torch.tensor(ep.mask),
                         torch.tensor(ep.lps, dtype=torch.float32), torch.tensor(ep.plps, dtype=torch.float32),

@@ -47,7 +47,7 @@ class EnvironmentFactory:
 
 def _build_tools(*, tools: Sequence[str] = ("calculator",), max_calls: int = 4,
                  max_result_chars: int = MAX_RESULT_CHARS, python_limits: dict[str, Any] | None = None,
-                 sandbox: str = "bubblewrap") -> EnvironmentFactory:
+                 sandbox: str = "bubblewrap", system_prompt: bool = True) -> EnvironmentFactory:
     built: dict[str, Tool] = {}
     for name in tools:
         if name not in BUILTIN_TOOLS:
@@ -62,8 +62,8 @@ def _build_tools(*, tools: Sequence[str] = ("calculator",), max_calls: int = 4,
         raise EnvironmentConfigError("environment 'tools': `tools` is empty; name at least one tool")
     if max_calls < 1 or max_result_chars < 1:
         raise EnvironmentConfigError("environment 'tools': max_calls and max_result_chars must be >= 1")
-    return EnvironmentFactory(lambda: ToolEnv(built, max_calls=max_calls, max_result_chars=max_result_chars),
-                              list(built.values()))
+    return EnvironmentFactory(lambda: ToolEnv(built, max_calls=max_calls, max_result_chars=max_result_chars,
+                                              system_prompt=system_prompt), list(built.values()))
 
 
 _BUILDERS: dict[EnvName, Callable[..., EnvironmentFactory]] = {EnvName.TOOLS: _build_tools}

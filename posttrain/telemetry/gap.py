@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from posttrain.telemetry.phases import PhaseRecord
 from posttrain.telemetry.roofline import place
 
-ROLLOUT_PHASES = ("generate", "score", "reference")
+ROLLOUT_PHASES = ("generate", "tool", "score", "reference")
 UPDATE_PHASES = ("update",)
 DEFAULT_RATIOS: tuple[float, ...] = (1, 2, 3, 5, 10, 20)
 
