@@ -33,7 +33,7 @@ def model(tok):
     # An untrained model almost never samples <|im_end|>; a long embedding row (tied to the output) makes
     # it frequent, so some turns end with the model's EOS and others at the turn budget — both paths.
     with torch.no_grad():
-        m.model.embed_tokens.weight[tok.convert_tokens_to_ids("<|im_end|>")] *= 30
+        m.model.embed_tokens.weight[tok.convert_tokens_to_ids("<|im_end|>")] *= 45
     return m
 
 
@@ -83,16 +83,17 @@ def env_text(k: int, model_wrote_eos: bool) -> str:
             "<|im_start|>assistant\n")
 
 
-def _run(model, tok, problems, factory, **kw):
-    engine = Recording(make_engine("native", model, tok))
+def _run(model, tok, problems, factory, backend="native", **kw):
+    engine = Recording(make_engine(backend, model, tok))
     kw.setdefault("budget", Budget(max_turns=4, max_tokens=300, turn_tokens=12))
     kw.setdefault("params", SamplingParams(temperature=1.0, seed=3))
     return engine, run_episodes(engine, tok, factory, problems, **kw)
 
 
-def test_the_mask_is_1_on_every_model_token_and_0_on_every_environment_token(model, tok):
-    problems = [Problem(f"{i} + {2 * i} =") for i in range(5)]
-    engine, run = _run(model, tok, problems, lambda: Scripted(turns=3))
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_the_mask_is_1_on_every_model_token_and_0_on_every_environment_token(model, tok, backend):
+    problems = [Problem(f"{i} + {2 * i} =") for i in range(6)]
+    engine, run = _run(model, tok, problems, lambda: Scripted(turns=3), backend)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     sampled = [s for call in engine.calls for s in call]
     ended_with_eos = 0
@@ -115,12 +116,13 @@ def test_the_mask_is_1_on_every_model_token_and_0_on_every_environment_token(mod
                 assert tok.decode(ids[b:nxt], skip_special_tokens=False) == env_text(k + 1, eos)
         assert e.turn_spans[-1][1] == len(ids)  # nothing after the last turn (the episode was over)
         assert [m.role for m in e.messages] == ["system", "user"] + ["assistant", "tool", "user"] * 2 + ["assistant"]
-    assert 0 < ended_with_eos < 10  # both closings were exercised (10 inner turns in all)
+    assert 0 < ended_with_eos < 12  # both closings were exercised (12 inner turns in all)
 
 
-def test_model_logprobs_equal_a_teacher_forced_forward(model, tok):
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_model_logprobs_equal_a_teacher_forced_forward(model, tok, backend):
     problems = [Problem(f"{i} * 3 =") for i in range(4)]
-    _, run = _run(model, tok, problems, lambda: Scripted(turns=3))
+    _, run = _run(model, tok, problems, lambda: Scripted(turns=3), backend)
     for e in run.episodes:  # one episode at a time: no padding
         with torch.no_grad():
             logits = model(input_ids=e.token_ids[None]).logits[0].float()               # (T, V)

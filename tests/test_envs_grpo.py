@@ -18,7 +18,7 @@ from posttrain.stages import _episodes as episodes_mod
 from posttrain.stages import grpo as grpo_mod
 from posttrain.telemetry import Telemetry, read_phases
 from posttrain.telemetry.devices import Peaks
-from conftest import ListSink, world_tasks
+from conftest import ListSink, killed_after_save, world_tasks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PEAKS = Peaks(name="synthetic", kind="cpu", flops={"fp32": 1e15}, bytes_per_s=1e15, source="test")
@@ -118,6 +118,29 @@ def test_the_update_sees_the_model_tokens_only(policy_dir, tokenizer, world, tmp
         (rec,) = [r for r in sink.records if r["stage"] == "grpo"]
         assert rec["clip/ratio_max"] == pytest.approx(1.0, abs=1e-3) and rec["kl"] == pytest.approx(0.0, abs=1e-4)
         assert rec["clip/approx_kl"] == pytest.approx(0.0, abs=1e-5) and rec["clip/low"] == rec["clip/high"] == 0.0
+
+
+def test_resume_after_kill_is_exact(policy_dir, tokenizer, world, tmp_path, monkeypatch):
+    """Episodes in lockstep are reproducible (seeded per step and per generate call): a run killed after
+    its step-2 checkpoint and resumed ends with the same weights as the run that was never stopped."""
+    monkeypatch.setattr(grpo_mod, "build_rewards", lambda specs: [WeightedVerifier("digits", _digits)])
+    monkeypatch.setattr(grpo_mod, "build_env", lambda spec: EnvironmentFactory(TwoTurns))
+
+    def cfg():
+        return _cfg(steps=4, save_every=2, batch_size=8, mu=2, kl_coef=0.0, optim={"lr": 1e-2, "warmup_steps": 0},
+                    data=[{"world": "arithmetic", "n": 40}])
+
+    ctx, _ = _ctx(tmp_path / "straight", policy_dir, tokenizer, world, cfg())
+    straight = grpo_mod.run_grpo(cfg(), ctx).checkpoint
+
+    ctx, _ = _ctx(tmp_path / "killed", policy_dir, tokenizer, world, cfg())
+    with killed_after_save(monkeypatch, grpo_mod):  # killed right after the step-2 checkpoint
+        grpo_mod.run_grpo(cfg(), ctx)
+    ctx, _ = _ctx(tmp_path / "killed", policy_dir, tokenizer, world, cfg())
+    torch.manual_seed(123)  # the resumed run must not depend on the global RNG it finds
+    resumed = grpo_mod.run_grpo(cfg(), ctx).checkpoint
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_built_in_tool_env_runs_in_the_stage(policy_dir, tokenizer, world, tmp_path, monkeypatch):

@@ -134,6 +134,19 @@ class _Flood:
         return [ToolResult("y" * 10_000_000) for _ in calls]
 
 
+class _Short:
+    name, description = "short", "returns one result too few"
+
+    def run(self, calls):
+        return [ToolResult("ok")] * (len(calls) - 1)
+
+
+def test_a_tool_that_miscounts_its_results_is_an_error_for_every_call():
+    text = format_call("short", {}) + format_call("short", {})
+    results = run_calls(parse_tool_calls(text), {"short": _Short()})
+    assert [r.error for r in results] == [True, True] and "RuntimeError" in results[0].content
+
+
 def test_run_calls_answers_unknown_tools_buggy_tools_and_floods():
     text = (format_call("calculator", {"expression": "2 + 3"}) + format_call("nope", {}) + format_call("boom", {})
             + format_call("flood", {}) + "<tool_call>{</tool_call>")

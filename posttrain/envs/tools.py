@@ -214,6 +214,8 @@ def run_calls(parsed: ParsedTurn, tools: dict[str, Tool], *, max_chars: int = MA
         calls: list[ToolCall] = [parsed.items[i] for i in rows]  # type: ignore[misc]
         try:
             results = tools[name].run([c.arguments for c in calls])
+            if len(results) != len(rows):
+                raise RuntimeError(f"{len(results)} results for {len(rows)} calls")
         except Exception as e:  # a tool's own bug must not end the run: the model is told, it is counted
             results = [ToolResult(f"error: tool {name!r} failed: {type(e).__name__}", error=True)] * len(rows)
         for i, r in zip(rows, results):

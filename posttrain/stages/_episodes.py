@@ -14,6 +14,7 @@ Departures from single-turn collection (numbered):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +41,11 @@ class EpisodeGroups:
 
 
 def collect_episode_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, factory: EnvironmentFactory,
-                           verifiers: list[WeightedVerifier], advantages_fn, problems: list[Problem],
+                           verifiers: list[WeightedVerifier], advantages_fn: Callable[..., Tensor], problems: list[Problem],
                            sampler: EpochSampler, step: int) -> EpisodeGroups:
-    """Play `batch_size` episodes (G per problem), score them, keep the judged groups."""
+    """Play `batch_size` episodes (G per problem), score them, keep the judged groups. `advantages_fn`:
+    the loss variant's, (rewards (N,), *, group_size) → (N,). The first prompt is the environment's
+    `reset` chat; it must leave room in `env.max_tokens` (`max_prompt_len` does not apply)."""
     assert cfg.env is not None
     g, want = cfg.group_size, cfg.batch_size // cfg.group_size
     idx = [sampler.next_batch()[0] for _ in range(want)]
