@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 
@@ -67,6 +68,28 @@ def world_tasks(world):
     from posttrain.tasks.arithmetic import ArithmeticTask
 
     return TaskSet.of(ArithmeticTask(world=world))
+
+
+class Killed(Exception):
+    """Raised right after a checkpoint is saved (`killed_after_save`): a run killed at that point."""
+
+
+@contextmanager
+def killed_after_save(monkeypatch, module):
+    """Within the block, `module.save` saves its checkpoint and then raises `Killed`, which the block
+    expects; `module.save` is restored after it (for resume-after-kill tests)."""
+    original = module.save
+
+    def save_then_die(*args, **kw):
+        original(*args, **kw)
+        raise Killed
+
+    monkeypatch.setattr(module, "save", save_then_die)
+    try:
+        with pytest.raises(Killed):
+            yield
+    finally:
+        monkeypatch.setattr(module, "save", original)
 
 
 class ListSink:

@@ -18,7 +18,7 @@ from posttrain.worlds.arithmetic import LEVELS
 
 Figure = dict[str, Any]
 
-PHASE_COLORS = {"generate": "#e8590c", "score": "#ae3ec9", "reference": "#0c8599", "update": "#1c7ed6",
+PHASE_COLORS = {"generate": "#e8590c", "tool": "#fab005", "score": "#ae3ec9", "reference": "#0c8599", "update": "#1c7ed6",
                 "sync": "#5c940d", "eval": "#868e96"}
 _MORE_COLORS = ("#f59f00", "#d6336c", "#37b24d", "#4263eb", "#74b816", "#15aabf", "#495057")
 BOUND_COLORS = {"compute": "#2f9e44", "memory": "#f08c00", "overhead": "#e03131", "unknown": "#868e96",

@@ -39,7 +39,7 @@ from posttrain.telemetry.phases import PhaseRecord
 from posttrain.telemetry.roofline import place
 
 EVAL_PHASES = ("eval",)
-LOOP_ORDER = ("generate", "score", "reference", "update", "sync")  # the order a character names phases in
+LOOP_ORDER = ("generate", "tool", "score", "reference", "update", "sync")  # the order a character names phases in
 
 
 @dataclass(frozen=True)

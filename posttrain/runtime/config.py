@@ -142,6 +142,16 @@ class RewardSpec(Strict):
     params: dict[str, Any] = Field(default_factory=dict, description="the verifier's parameters, e.g. {think: optional}")
 
 
+class EnvSpec(Strict):
+    """A multi-turn environment for an RL stage: each sample is an episode in it (docs/envs.md)."""
+
+    name: Literal["tools"] = Field(description="a posttrain.envs environment (tools: calculator / python in the sandbox)")
+    params: dict[str, Any] = Field(default_factory=dict, description="the environment's parameters, e.g. {tools: [calculator]}")
+    max_turns: int = Field(4, gt=0, description="assistant turns per episode at most")
+    max_tokens: int = Field(256, gt=1, description="tokens per episode at most: first prompt, model turns and environment text")
+    tool_wait_s: float | None = Field(None, gt=0, description="None: lockstep rounds (reproducible); seconds: rows whose environment step takes longer join a later generate call")
+
+
 class GRPOStage(TrainStage):
     stage: Literal["grpo"] = "grpo"
     data: list[DataSource] = Field(min_length=1, description="problems (a task, or JSONL in the `problem` schema)")
@@ -166,9 +176,12 @@ class GRPOStage(TrainStage):
     backend: Literal["native", "hf", "vllm"] = Field("native", description="rollout engine (vllm: a CUDA GPU and the vllm extra; checked before the run starts)")
     share_prompt: bool = Field(True, description="update and reference forwards lay a group out as [prompt | c_1 | … | c_G], the prompt once (exact up to round-off; G·(P + N) → P + G·N tokens)")
     eval_problems: int = Field(100, gt=0, description="held-out problems per eval level for the in-stage greedy eval (eval_every)")
+    env: EnvSpec | None = Field(None, description="multi-turn: each sample is an episode in this environment, max_new_tokens is per turn, the loss falls on the model's tokens only (docs/envs.md)")
 
     @model_validator(mode="after")
     def _grpo_shapes(self) -> GRPOStage:
+        if self.env is not None and self.dynamic_sampling:
+            raise ValueError("dynamic_sampling is not supported with env yet (episodes are one round per rollout)")
         if self.batch_size % self.group_size:
             raise ValueError(f"batch_size {self.batch_size} is not a multiple of group_size {self.group_size}")
         if self.steps % self.mu or self.save_every % self.mu:

@@ -97,14 +97,21 @@ def score_rollout(verifiers: Sequence[WeightedVerifier], rollout: Rollout, probl
     """Score every row against its prompt's problem. Columns: `answer`, `tests`, `level`, `lengths`
     (completion tokens, EOS included)."""
     rows = rollout.prompt_index.tolist()
+    return score_texts(verifiers, rollout.texts, [problems[i] for i in rows], rollout.completion_lengths.tolist())
+
+
+def score_texts(verifiers: Sequence[WeightedVerifier], texts: Sequence[str], problems: Sequence[Problem],
+                lengths: Sequence[int]) -> CombinedRewards:
+    """Score texts[i] against problems[i] (one problem per text). Columns: `answer`, `tests`, `level`,
+    `lengths` (the tokens the model wrote)."""
     cols: dict[str, list[Any]] = {
-        "answer": [problems[i].answer for i in rows],
-        "level": [problems[i].level for i in rows],
-        "lengths": rollout.completion_lengths.tolist(),
+        "answer": [p.answer for p in problems],
+        "level": [p.level for p in problems],
+        "lengths": list(lengths),
     }
-    if any(problems[i].tests is not None for i in rows):
-        cols["tests"] = [problems[i].tests for i in rows]
-    return combine(verifiers, rollout.texts, **cols)
+    if any(p.tests is not None for p in problems):
+        cols["tests"] = [p.tests for p in problems]
+    return combine(verifiers, list(texts), **cols)
 
 
 def passed(rewards: CombinedRewards, first: str, threshold: float) -> list[bool]:

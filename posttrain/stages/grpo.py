@@ -31,6 +31,9 @@ Departures (numbered):
    a missing reward would put its siblings' advantages on a different baseline.
 5. The reference for the KL term is the checkpoint the stage started from, frozen (with LoRA: the
    policy with its adapters disabled, `_training.reference_policy`).
+6. With `env`, a sample is a multi-turn episode (`_episodes.py`, docs/envs.md): advantages over whole
+   episodes, the first prompt as the prompt and everything after it as the completion, in the loss
+   and the KL only where the model wrote it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch
 from torch import Tensor
 
 from posttrain.data import EpochSampler, Problem
+from posttrain.envs import Episode, EpisodeEnd, EnvironmentFactory, pad_episodes
 from posttrain.losses import (
     AGGREGATIONS,
     Aggregation,
@@ -63,6 +67,7 @@ from posttrain.runtime.context import RunContext, StageResult, eval_plan
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams
 from posttrain.rollout.text import positions_from_mask
+from posttrain.stages._episodes import build_env, collect_episode_groups
 from posttrain.stages._rlvr import (
     build_rewards,
     close_rewards,
@@ -158,6 +163,15 @@ def build_batch(pieces: list[tuple[Rollout, list[int], Tensor]], pad_id: int, *,
     return GroupBatch(ids, attn, positions_from_mask(attn), mask, old, torch.cat(advs).float(), p_len)
 
 
+def episode_batch(episodes: list[Episode], advantages: Tensor, pad_id: int, *, mask_truncated: bool) -> GroupBatch:
+    """Episodes as the batch the update reads: the first prompt is the prompt, the rest (model turns and
+    environment text) the completion — in the loss only where the model wrote it (`Episode.model_mask`)."""
+    b = pad_episodes(episodes, pad_id)
+    keep = torch.tensor([not (mask_truncated and e.end is not EpisodeEnd.DONE) for e in episodes])
+    return GroupBatch(b.input_ids, b.attention_mask, b.position_ids, b.mask & keep[:, None], b.old_logprobs,
+                      advantages.float(), b.prompt_len)
+
+
 def completion_logits(model: torch.nn.Module, b: GroupBatch, *, share_prompt: bool = False, pad_id: int = 0) -> Tensor:
     """Logits predicting each completion token. Shape: (R, N, V).
 
@@ -222,6 +236,20 @@ def collect_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verif
               "dynamic/kept_groups": float(kept), "dynamic/short_groups": float(want - kept),
               "dynamic/waste_frac": 1 - kept / generated})
     return Collected(pieces, m)
+
+
+def collect(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verifiers: list[WeightedVerifier],
+            variant: LossVariant, problems: list[Problem], prompts: list[list[int]], sampler: EpochSampler, step: int,
+            env: EnvironmentFactory | None) -> tuple[GroupBatch | None, dict[str, float]]:
+    """One rollout batch — single completions, or episodes in `env` — as the batch the update reads
+    (None: no usable group) and its metrics."""
+    if env is None:
+        got = collect_groups(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler, step)
+        return (build_batch(got.pieces, engine.pad_id, mask_truncated=cfg.mask_truncated) if got.pieces else None,
+                got.metrics)
+    eps = collect_episode_groups(ctx, cfg, engine, env, verifiers, variant.advantages, problems, sampler, step)
+    return (episode_batch(eps.episodes, eps.advantages, engine.pad_id, mask_truncated=cfg.mask_truncated)
+            if eps.episodes else None, eps.metrics)
 
 
 # ---- one update ----------------------------------------------------------------------------------
@@ -289,7 +317,8 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
     variant = VARIANTS[GRPOLoss(cfg.loss)]
     clip = (cfg.clip_low or variant.clip_low, cfg.clip_high or variant.clip_high)
     problems = load_problems(ctx, cfg.data, levels=cfg.levels)
-    prompts = encode_problems(problems, tok, cfg.max_prompt_len)
+    env = build_env(cfg.env) if cfg.env is not None else None  # episodes: the environment renders the prompts
+    prompts = encode_problems(problems, tok, cfg.max_prompt_len) if env is None else []
     verifiers = build_rewards(cfg.rewards)
     t = start_or_resume(ctx, cfg)
     sampler = EpochSampler(len(problems), 1, seed=ctx.recipe.seed)
@@ -304,7 +333,9 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
         f"(≤ {cfg.batch_size * cfg.max_new_tokens:,} completion tokens) per rollout, μ={cfg.mu} optimizer steps each; "
         f"{cfg.steps // cfg.mu} rollouts; T={cfg.temperature}; KL coef {cfg.kl_coef}; "
         f"dynamic sampling {f'on, ≤ {cfg.max_rounds} rounds' if cfg.dynamic_sampling else 'off'}; "
-        f"rewards {', '.join(f'{r.name}×{r.weight:g}' for r in cfg.rewards)}")
+        f"rewards {', '.join(f'{r.name}×{r.weight:g}' for r in cfg.rewards)}"
+        + (f"; episodes in env {cfg.env.name!r} (≤ {cfg.env.max_turns} turns of ≤ {cfg.max_new_tokens} tokens, "
+           f"≤ {cfg.env.max_tokens} tokens each)" if cfg.env is not None else ""))
 
     # ---- loop ----------------------------------------------------------------------------------
     metrics: dict[str, float] = {}
@@ -314,14 +345,13 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
             while t.step < cfg.steps:
                 step = t.step + cfg.mu  # the optimizer step this rollout ends on: phases and metrics use it
                 t0 = time.perf_counter()
-                got = collect_groups(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler, step)
-                metrics = dict(got.metrics)
-                if not got.pieces:  # nothing to learn from: no optimizer step, the schedule moves on
+                b, got = collect(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler, step, env)
+                metrics = dict(got)
+                if b is None:  # nothing to learn from: no optimizer step, the schedule moves on
                     for _ in range(cfg.mu):
                         t.scheduler.step()
                         t.step += 1
                 else:
-                    b = build_batch(got.pieces, engine.pad_id, mask_truncated=cfg.mask_truncated)
                     n = b.input_ids.shape[1] - b.prompt_len
                     # the rows a forward runs (the last completion column is no input): padded (R, P + N − 1),
                     # or with share_prompt one P + G·(N − 1) row per group
@@ -359,6 +389,8 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                     save(ctx, cfg, t, data_state=sampler.state_dict())
     finally:
         close_rewards(verifiers)
+        if env is not None:
+            env.close()
 
     # ---- save ----------------------------------------------------------------------------------
     final = save(ctx, cfg, t, data_state=sampler.state_dict(), final=True)

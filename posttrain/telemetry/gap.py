@@ -14,7 +14,7 @@ exclusive time t_p and doing F_p FLOPs and Y_p bytes:
     busy       = Σ_{p: b_p known} t_p · b_p / Σ_{p: b_p known} t_p   the dashboard's average
 
 Projection to a rollout:update time ratio r (the phase *rates* u_p, e_p, b_p held at their measured
-values): rollout phases R = {generate, score, reference}, update phases = {update}, the rest
+values): rollout phases R = {generate, tool, score, reference}, update phases = {update}, the rest
 (sync, eval, …) kept at their measured seconds. With R₀ = Σ_{p∈R} t_p and U₀ = Σ_{update} t_p,
 each rollout phase is scaled by k = r · U₀ / R₀ (so rollout time = r × update time):
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from posttrain.telemetry.phases import PhaseRecord
 from posttrain.telemetry.roofline import place
 
-ROLLOUT_PHASES = ("generate", "score", "reference")
+ROLLOUT_PHASES = ("generate", "tool", "score", "reference")
 UPDATE_PHASES = ("update",)
 DEFAULT_RATIOS: tuple[float, ...] = (1, 2, 3, 5, 10, 20)
 

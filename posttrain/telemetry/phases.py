@@ -49,7 +49,7 @@ from posttrain.telemetry.revision import Revision, revise_one
 from posttrain.telemetry.roofline import OVERHEAD_BELOW, place
 from posttrain.telemetry.sinks import JsonlSink, read_jsonl_records
 
-STANDARD_PHASES = ("generate", "score", "reference", "update", "sync", "eval")
+STANDARD_PHASES = ("generate", "tool", "score", "reference", "update", "sync", "eval")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 

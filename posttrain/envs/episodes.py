@@ -1,0 +1,271 @@
+"""Multi-turn rollouts: a batch of episodes advanced together over any `RolloutEngine`.
+
+    run = run_episodes(engine, tokenizer, factory, problems, budget=Budget(max_turns=4),
+                       params=SamplingParams(temperature=1.0, seed=0))
+    run.episodes[i].token_ids / .model_mask / .policy_logprobs       # (T,) each
+
+The loop: generate one turn for every ready episode in one `engine.generate` call → each episode's
+environment `step`s on its turn (in a thread pool, so a turn's tools run side by side) → the
+environment's messages are rendered to tokens and appended → the episode is ready again, or over.
+Finished episodes leave the batch. Per episode the result is one token sequence — the first prompt,
+then model turns and environment text alternating — with `model_mask` True exactly on the tokens the
+model sampled (every turn's EOS included) and False on everything the environment wrote, and the
+sampling-time log-probs of the model's tokens (0 elsewhere).
+
+Who waits for whom (`tool_wait_s`):
+- None (default): lockstep — each round waits for every environment step of the round, so the rows of
+  every `generate` call, and with a seed every sample, are reproducible. A row without a tool call
+  waits for the round's slowest tool (at most the tool's timeout).
+- a number: a round waits at most that long for its steps; the rows ready by then generate their next
+  turn at once, and rows still waiting on a tool join a later `generate` call. Rows that wait on nothing
+  are not blocked, at the price of reproducibility: which rows share a call depends on timing.
+
+Departures from the designs of the frameworks that do this (veRL's agent loop, TRL, verifiers):
+1. No KV cache across turns: each turn's `generate` prefills the whole episode so far. The engine
+   protocol has no session API; a prefix cache would save that prefill (not built).
+2. The environment's text is tokenized as the template's rendering difference (`transcript.py`), the
+   model's never re-tokenized; the importance ratio therefore reads exactly the sampled tokens.
+3. A turn never runs past the episode's token budget: one `generate` call samples up to the longest
+   room among its rows, and a row with less room keeps only its first `room` tokens (a prefix of a
+   sample is a sample: its log-probs stay valid), ending its episode at the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from posttrain.data.records import Message, Problem
+from posttrain.envs.base import Budget, EnvFactory, Environment, StepResult
+from posttrain.envs.transcript import Transcript
+from posttrain.rollout import RolloutEngine, SamplingParams
+from posttrain.rollout.text import positions_from_mask
+
+# `phase("generate")` / `phase("tool")` around each generate call and each wait on environments: a stage
+# passes its telemetry (`ctx.phase`); a handle with `add(cost)` gets the generate call's decode cost.
+PhaseHook = Callable[[str], AbstractContextManager]
+
+
+class EpisodeEnd(str, Enum):  # str-valued (StrEnum is 3.11+; the project supports 3.10)
+    DONE = "done"                  # the environment said so
+    TURN_BUDGET = "turn_budget"    # Budget.max_turns assistant turns were taken
+    TOKEN_BUDGET = "token_budget"  # the sequence reached Budget.max_tokens (or the environment's text would pass it)
+
+
+@dataclass
+class Episode:
+    """One finished episode. T = the episode's tokens; P = its first prompt's."""
+
+    problem_index: int
+    messages: list[Message]     # the whole chat: reset messages, assistant turns, environment messages
+    token_ids: Tensor           # (T,) long: prompt, then model and environment tokens as the model saw them
+    model_mask: Tensor          # (T,) bool: True exactly on tokens the model sampled
+    logprobs: Tensor            # (T,) fp32: log q(token) under the sampling distribution; 0 off the mask
+    policy_logprobs: Tensor     # (T,) fp32: log π(token), raw model at T = 1 (the importance ratio's); 0 off the mask
+    prompt_len: int             # P: tokens of the first prompt
+    turn_spans: list[tuple[int, int]]  # [start, end) of each model turn in token_ids
+    rewards: list[float | None]  # the environment's reward at each step (None: none at that step)
+    end: EpisodeEnd
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_seconds: float = 0.0    # time inside the environment's `step` (tools included), summed
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_spans)
+
+    @property
+    def reward(self) -> float | None:
+        """Sum of the step rewards; None when no step gave one (the caller's verifiers judge the episode)."""
+        given = [r for r in self.rewards if r is not None]
+        return sum(given) if given else None
+
+    @property
+    def final_text(self) -> str:
+        """The last assistant turn's text (what a verifier of the final answer reads)."""
+        return next((m.content for m in reversed(self.messages) if m.role == "assistant"), "")
+
+
+@dataclass
+class EpisodeRun:
+    episodes: list[Episode]
+    generate_calls: int
+    generate_seconds: float  # wall time inside engine.generate
+    wait_seconds: float      # wall time the loop spent waiting on environment steps and rendering their answers
+
+
+@dataclass
+class _Live:
+    index: int
+    env: Environment
+    messages: list[Message]
+    ids: list[int]
+    mask: list[bool]
+    lps: list[float]
+    plps: list[float]
+    prompt_len: int
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    rewards: list[float | None] = field(default_factory=list)
+    end: EpisodeEnd | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_seconds: float = 0.0
+    last_text: str = ""
+    last_token: int | None = None
+
+    @property
+    def turns(self) -> int:
+        return len(self.spans)
+
+
+def _timed_step(env: Environment, text: str) -> tuple[StepResult, float]:
+    t0 = time.perf_counter()
+    result = env.step(text)
+    return result, time.perf_counter() - t0
+
+
+def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, factory: EnvFactory,
+                 problems: Sequence[Problem], *, budget: Budget = Budget(), params: SamplingParams = SamplingParams(),
+                 tool_wait_s: float | None = None, workers: int = 8,
+                 phase: PhaseHook = lambda name: nullcontext()) -> EpisodeRun:
+    """One episode per problem (repeat a problem G times for a GRPO group). `params.n` must be 1;
+    `params.max_new_tokens` is replaced by the budget's room each turn; with a seed, generate call k
+    uses seed + k. Raises ValueError if a first prompt leaves no room in the token budget.
+
+    `phase` times the loop's two kinds of work (see `PhaseHook`): `generate`, and `tool` — the time the
+    loop waits on environment steps (in lockstep, the tools' whole wall time; with `tool_wait_s`, only
+    what generation did not hide)."""
+    if params.n != 1:
+        raise ValueError(f"run_episodes: params.n={params.n}; repeat the problem instead (one episode per row)")
+    transcript = Transcript(tokenizer, engine.eos_ids)
+    live: list[_Live] = []
+    for i, problem in enumerate(problems):
+        env = factory()
+        messages = list(env.reset(problem))
+        ids = transcript.prompt_ids(messages)
+        if len(ids) >= budget.max_tokens:
+            raise ValueError(f"run_episodes: problem {i} ({problem.origin or 'no origin'}): its first prompt is "
+                             f"{len(ids)} tokens, leaving no room in Budget.max_tokens={budget.max_tokens}")
+        live.append(_Live(i, env, messages, ids, [False] * len(ids), [0.0] * len(ids), [0.0] * len(ids), len(ids)))
+
+    ready: list[int] = list(range(len(live)))
+    pending: dict[Future, int] = {}
+    calls, gen_s, wait_s = 0, 0.0, 0.0
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="env-step") as pool:
+        while ready or pending:
+            if not ready:  # every live episode waits on its environment
+                t0 = time.perf_counter()
+                with phase("tool"):
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    ready += _absorb(done, pending, live, transcript, budget)
+                wait_s += time.perf_counter() - t0
+                continue
+            rows, ready = sorted(ready), []
+            rooms = [min(budget.turn_tokens, budget.max_tokens - len(live[r].ids)) for r in rows]
+            call_params = dataclasses.replace(params, max_new_tokens=max(rooms),
+                                              seed=None if params.seed is None else params.seed + calls)
+            t0 = time.perf_counter()
+            with phase("generate") as handle:
+                ro = engine.generate([live[r].ids for r in rows], call_params)
+                if hasattr(handle, "add"):
+                    handle.add(engine.decode_cost(batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
+                                                  new_tokens=max(1, ro.completion_ids.shape[1])))
+            gen_s += time.perf_counter() - t0
+            calls += 1
+            lengths = ro.completion_lengths.tolist()
+            for j, (r, room) in enumerate(zip(rows, rooms)):
+                ep, k = live[r], min(lengths[j], room)
+                toks = ro.completion_ids[j, :k].tolist()
+                ep.spans.append((len(ep.ids), len(ep.ids) + k))
+                ep.ids += toks
+                ep.mask += [True] * k
+                ep.lps += ro.logprobs[j, :k].tolist()
+                ep.plps += ro.policy_logprobs[j, :k].tolist()
+                ep.last_text = ro.texts[j] if k == lengths[j] else tokenizer.decode(toks, skip_special_tokens=True)
+                ep.last_token = toks[-1] if toks and k == lengths[j] and ro.finish_reason[j] == "stop" else None
+                pending[pool.submit(_timed_step, ep.env, ep.last_text)] = r
+            # Lockstep: wait for the whole round. Overlap: wait at most tool_wait_s; late rows join later calls.
+            t0 = time.perf_counter()
+            with phase("tool"):  # the environments' answers rendered to tokens are billed here too
+                done, _ = wait(pending, timeout=tool_wait_s)
+                ready += _absorb(done, pending, live, transcript, budget)
+            wait_s += time.perf_counter() - t0
+
+    episodes = [Episode(ep.index, ep.messages, torch.tensor(ep.ids, dtype=torch.long), torch.tensor(ep.mask),
+                        torch.tensor(ep.lps, dtype=torch.float32), torch.tensor(ep.plps, dtype=torch.float32),
+                        ep.prompt_len, ep.spans, ep.rewards, ep.end or EpisodeEnd.DONE, ep.tool_calls,
+                        ep.tool_errors, ep.env_seconds) for ep in live]
+    return EpisodeRun(episodes, calls, gen_s, wait_s)
+
+
+def _absorb(done: set[Future], pending: dict[Future, int], live: list[_Live], transcript: Transcript,
+            budget: Budget) -> list[int]:
+    """Fold finished environment steps into their episodes; the rows that go on to another turn.
+    An environment that raises is a bug in it (the protocol answers the model, never raises): re-raised."""
+    again = []
+    for fut in sorted(done, key=lambda f: pending[f]):
+        ep = live[pending.pop(fut)]
+        result, seconds = fut.result()
+        ep.env_seconds += seconds
+        ep.rewards.append(result.reward)
+        ep.tool_calls += result.tool_calls
+        ep.tool_errors += result.tool_errors
+        ep.messages.append(Message("assistant", ep.last_text))
+        chat = list(ep.messages)
+        ep.messages += result.new_messages
+        if result.done:
+            ep.end = EpisodeEnd.DONE
+        elif ep.turns >= budget.max_turns:
+            ep.end = EpisodeEnd.TURN_BUDGET
+        else:
+            env_ids = transcript.environment_ids(chat, result.new_messages, ep.last_token)
+            if len(ep.ids) + len(env_ids) >= budget.max_tokens:  # no room for the text and one model token
+                ep.end = EpisodeEnd.TOKEN_BUDGET
+            else:
+                ep.ids += env_ids
+                ep.mask += [False] * len(env_ids)
+                ep.lps += [0.0] * len(env_ids)
+                ep.plps += [0.0] * len(env_ids)
+                again.append(ep.index)
+    return again
+
+
+# ---- episodes as a training batch ----------------------------------------------------------------
+@dataclass
+class EpisodeBatch:
+    """Episodes re-padded as one batch: first prompts left-padded to P, the rest right-padded to N.
+    The loss and the KL fall only where `mask` is True (the model's tokens)."""
+
+    input_ids: Tensor       # (R, P + N)
+    attention_mask: Tensor  # (R, P + N) bool
+    position_ids: Tensor    # (R, P + N)
+    mask: Tensor            # (R, N) bool: model-sampled tokens after the first prompt
+    old_logprobs: Tensor    # (R, N) fp32: sampling-time log π_old on the mask, 0 elsewhere
+    prompt_len: int         # P
+
+
+def pad_episodes(episodes: Sequence[Episode], pad_id: int) -> EpisodeBatch:
+    """Shape: R = len(episodes) rows of P + N tokens (see `EpisodeBatch`)."""
+    p = max(e.prompt_len for e in episodes)
+    n = max(len(e.token_ids) - e.prompt_len for e in episodes)
+    rows = len(episodes)
+    ids = torch.full((rows, p + n), pad_id, dtype=torch.long)
+    attn = torch.zeros((rows, p + n), dtype=torch.bool)
+    mask = torch.zeros((rows, n), dtype=torch.bool)
+    old = torch.zeros((rows, n))
+    for i, e in enumerate(episodes):
+        rest = len(e.token_ids) - e.prompt_len
+        ids[i, p - e.prompt_len: p + rest] = e.token_ids
+        attn[i, p - e.prompt_len: p + rest] = True
+        mask[i, :rest] = e.model_mask[e.prompt_len:]
+        old[i, :rest] = e.policy_logprobs[e.prompt_len:]
+    return EpisodeBatch(ids, attn, positions_from_mask(attn), mask, old, p)

@@ -1,0 +1,84 @@
+"""The environment registry: the names a recipe gives environments, and how each is built.
+
+``build_environment("tools", tools=["calculator"])`` checks the parameters against the builder's
+signature (unknown ones are an `EnvironmentConfigError` naming them, as the verifier registry
+does) and returns an `EnvironmentFactory`: call it for a fresh environment per episode, `close()` it
+when the stage ends (the Python tool holds a sandbox pool).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from enum import Enum
+from typing import Any
+
+from posttrain.envs.base import Environment
+from posttrain.envs.tool_env import ToolEnv
+from posttrain.envs.tools import BUILTIN_TOOLS, MAX_RESULT_CHARS, Calculator, PythonTool, Tool
+from posttrain.sandbox import Limits
+
+
+class EnvironmentConfigError(ValueError):
+    """An unknown environment, tool or parameter in a recipe: a configuration error."""
+
+
+class EnvName(str, Enum):
+    """Names a recipe can use for environments."""
+
+    TOOLS = "tools"  # call tools (calculator, python in the sandbox) until a turn without a call answers
+
+
+class EnvironmentFactory:
+    """Makes one environment per episode; owns what they share (tools); `close()` releases it."""
+
+    def __init__(self, make: Callable[[], Environment], tools: Sequence[Tool] = ()):
+        self._make, self.tools = make, list(tools)
+
+    def __call__(self) -> Environment:
+        return self._make()
+
+    def close(self) -> None:
+        for tool in self.tools:
+            close = getattr(tool, "close", None)
+            if close is not None:
+                close()
+
+
+def _build_tools(*, tools: Sequence[str] = ("calculator",), max_calls: int = 4,
+                 max_result_chars: int = MAX_RESULT_CHARS, python_limits: dict[str, Any] | None = None,
+                 sandbox: str = "bubblewrap", system_prompt: bool = True) -> EnvironmentFactory:
+    built: dict[str, Tool] = {}
+    for name in tools:
+        if name not in BUILTIN_TOOLS:
+            raise EnvironmentConfigError(f"environment 'tools': unknown tool {name!r}; expected some of: "
+                                         f"{', '.join(BUILTIN_TOOLS)}")
+        if name == "python":
+            built[name] = PythonTool(backend=sandbox, **({} if python_limits is None else
+                                                          {"limits": Limits(**python_limits)}))
+        else:
+            built[name] = Calculator()
+    if not built:
+        raise EnvironmentConfigError("environment 'tools': `tools` is empty; name at least one tool")
+    if max_calls < 1 or max_result_chars < 1:
+        raise EnvironmentConfigError("environment 'tools': max_calls and max_result_chars must be >= 1")
+    return EnvironmentFactory(lambda: ToolEnv(built, max_calls=max_calls, max_result_chars=max_result_chars,
+                                              system_prompt=system_prompt), list(built.values()))
+
+
+_BUILDERS: dict[EnvName, Callable[..., EnvironmentFactory]] = {EnvName.TOOLS: _build_tools}
+
+
+def build_environment(name: str, **params: Any) -> EnvironmentFactory:
+    """Build the named environment's factory with its recipe parameters; unknown names/parameters are errors."""
+    try:
+        key = EnvName(name)
+    except ValueError:
+        raise EnvironmentConfigError(f"unknown environment {name!r}; expected one of: "
+                                     f"{', '.join(e.value for e in EnvName)}") from None
+    signature = inspect.signature(_BUILDERS[key])
+    for param in params:
+        if param not in signature.parameters:
+            raise EnvironmentConfigError(f"environment {key.value!r}: unknown parameter {param!r}; expected one of: "
+                                         f"{', '.join(signature.parameters)}")
+    return _BUILDERS[key](**params)
