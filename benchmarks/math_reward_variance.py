@@ -1,20 +1,27 @@
 """Does the `math` reward give GRPO a gradient on a real chat model? Reward variance per sampled group.
 
-    python benchmarks/math_reward_variance.py                  # 32 groups of 8
+    python benchmarks/math_reward_variance.py                  # 32 groups of 8, T = 1, 24 new tokens, the base model
     python benchmarks/math_reward_variance.py --groups 64 --seed 1
+    python benchmarks/math_reward_variance.py --max-new-tokens 96 --temperature 0.7
+    python benchmarks/math_reward_variance.py --init runs/smollm2/checkpoints/dpo/final   # what GRPO starts from
+    python benchmarks/math_reward_variance.py --problems recipes/data/smollm2/problems.jsonl --group-size 4
 
 1. A user's problem file: `--groups` two-digit additions, prompt "Compute A + B. Reply with the number
    only.", written as JSONL in our `problem` schema and read back with `read_jsonl(…, "problem")`
-   (the path a recipe's `data: [{path: …}]` takes).
-2. SmolLM2-135M-Instruct (`posttrain.models.smollm2_135m_instruct()`), prompts through its chat
-   template, G = 8 samples per prompt at temperature 1 through our rollout engine (native backend).
+   (the path a recipe's `data: [{path: …}]` takes) — or the first `--groups` problems of the file
+   given as `--problems` (e.g. the GRPO file of `recipes/smollm2-own-data.yaml`).
+2. SmolLM2-135M-Instruct (`posttrain.models.smollm2_135m_instruct()`), or any checkpoint folder given
+   as `--init` (e.g. the SFT or DPO stage of `recipes/smollm2-own-data.yaml`: the policy its GRPO stage
+   starts from), prompts through its chat template, G = 8 samples per prompt at `--temperature` (1)
+   with `--max-new-tokens` (24) through our rollout engine (native backend).
 3. Each completion scored by `build_verifier("math")` — what a GRPO stage's `rewards: [{name: math}]`
    builds. GRPO's advantage is zero in a group whose rewards are all equal, so the number that
    matters is the fraction of groups with non-zero reward variance. Beside it, the same completions
    under the strict one-answer grammar (`format.final_answer`, integer compare): what the `math`
    verifier paid before issue 21.
 
-Prints the fraction of groups with variance > 0 under both, the mean reward, and a few completions.
+Prints the fraction of groups with variance > 0 under both, the mean reward (= per-sample accuracy),
+the share of samples cut by the token budget (finish reason "length"), and a few completions.
 """
 
 from __future__ import annotations
@@ -66,7 +73,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=24, help="answer budget per sample")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--problems", type=Path, default=None,
+                    help="a `problem` JSONL file to take the first --groups problems from (default: random additions)")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="checkpoint folder to sample from (default: the base SmolLM2-135M-Instruct)")
     ap.add_argument("--batch", type=int, default=4, help="prompts per generate call")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -74,17 +86,22 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "problems.jsonl"
-        write_problems(path, args.groups, args.seed)
-        problems, report = read_jsonl(path, "problem")
-    print(report.summary().replace(str(path), "problems.jsonl"))
+    if args.problems is not None:
+        problems, report = read_jsonl(args.problems, "problem")
+        problems = problems[: args.groups]
+        print(report.summary(), f"— the first {len(problems)}")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "problems.jsonl"
+            write_problems(path, args.groups, args.seed)
+            problems, report = read_jsonl(path, "problem")
+        print(report.summary().replace(str(path), "problems.jsonl"))
 
-    folder = smollm2_135m_instruct()
+    folder = args.init or smollm2_135m_instruct()
     model, tok = load_model(folder), load_tokenizer(folder)
     engine = make_engine("native", model, tok)
     prompts = [encode_prompt(p, tok) for p in problems]
-    params = SamplingParams(n=args.group_size, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    params = SamplingParams(n=args.group_size, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     start = time.perf_counter()
     texts: list[str] = []
     finish: list[str] = []
@@ -110,15 +127,17 @@ def main() -> None:
     frac, n_groups = fraction_with_variance(list(scores), args.group_size)
     frac_old, _ = fraction_with_variance(old, args.group_size)
     judged = [s for s in scores if s is not None]
-    print(f"SmolLM2-135M-Instruct, {n_groups} groups × G={args.group_size}, temperature 1, "
+    cut = sum(f == "length" for f in finish)
+    print(f"{'SmolLM2-135M-Instruct' if args.init is None else args.init}, {n_groups} groups × G={args.group_size}, "
+          f"temperature {args.temperature:g}, "
           f"max_new_tokens {args.max_new_tokens}, seed {args.seed}")
     print(f"generate {gen_s:.1f} s, score {score_s:.2f} s ({len(scores)} completions; "
           f"{verifier.counters['in_process']} in-process, {verifier.counters['pooled']} through math-verify)")
-    print(f"math reward:   mean {statistics.fmean(judged):.3f}, skipped {len(scores) - len(judged)}, "
+    print(f"math reward:   mean {statistics.fmean(judged):.3f} (= per-sample accuracy), skipped {len(scores) - len(judged)}, "
           f"groups with non-zero variance {frac:.3f} ({round(frac * n_groups)}/{n_groups})")
     print(f"strict (old):  mean {statistics.fmean(old):.3f}, "
           f"groups with non-zero variance {frac_old:.3f} ({round(frac_old * n_groups)}/{n_groups})")
-    print("finish reasons:", dict(Counter(finish)))
+    print(f"finish reasons: {dict(Counter(finish))}; cut by the budget {cut}/{len(finish)} = {cut / len(finish):.3f}")
     if args.dump is not None:
         with args.dump.open("w", encoding="utf-8") as f:
             for j, (text, gold, s, o) in enumerate(zip(texts, golds, scores, old)):

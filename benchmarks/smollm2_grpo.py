@@ -1,7 +1,13 @@
 """GRPO on a real pretrained chat model over a user's problem file: SmolLM2-135M-Instruct, 2-digit additions.
 
     python benchmarks/smollm2_grpo.py [--steps 8] [--prompts 4] [--group 4] [--lr 1e-6] [--heldout 200]
-        [--threads 2] [--out runs/smollm2-grpo]
+        [--threads 2] [--out runs/smollm2-grpo] [--init CHECKPOINT]
+
+By default GRPO starts from the base SmolLM2-135M-Instruct. `--init` starts it from another checkpoint
+folder instead — e.g. `runs/smollm2/checkpoints/sft/final`, the SFT stage of
+`recipes/smollm2-own-data.yaml` (the pipeline's own order: SFT, then RL). The held-out problems share no
+(a, b) pair with that recipe's files (they come from the same seeded shuffle: its files take pairs
+0–599, this benchmark's train file 0–1,999 and its held-out file 2,000 onward).
 
 1. Writes the user's files in our `problem` schema (docs/data.md): `train.jsonl` (2,000 problems) and
    `heldout.jsonl` (200 others, no (a, b) pair shared), each "Compute A + B. Reply with the number only."
@@ -11,7 +17,7 @@
    is `12 + 7 = 19`), and the **`math` verifier**'s score (what the GRPO reward sees).
 3. GRPO through the pipeline (`run_pipeline` with a `Recipe` whose `model.init` is the SmolLM2 folder
    and whose GRPO data is `train.jsonl`), full fine-tuning at a low lr, the `math` verifier as reward.
-   The recipe's arithmetic-world evals are cut to one problem (they are not this benchmark's measure).
+   The recipe names no between-stage evals (the held-out accuracies here are this benchmark's measure).
 4. The same three accuracies after, the change with its paired standard error, the wall time of the
    stage, and how many groups had zero reward variance (advantage 0 for every sample: no signal).
 Whatever the numbers are, they are printed plainly.
@@ -84,9 +90,11 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=200, help="held-out problems")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("runs/smollm2-grpo"))
+    ap.add_argument("--init", type=Path, default=None,
+                    help="checkpoint folder GRPO starts from (default: the base SmolLM2-135M-Instruct)")
     args = ap.parse_args()
 
-    start = smollm2_135m_instruct()
+    start = args.init or smollm2_135m_instruct()
     train, heldout = write_problems(args.out.parent / f"{args.out.name}-data", n_heldout=args.heldout)
     before = accuracies(start, heldout, args.threads)
     print("before:", {k: f"{statistics.mean(v):.1%}" for k, v in before.items() if k != "examples"},
@@ -95,7 +103,6 @@ def main() -> None:
     recipe = Recipe.model_validate({
         "name": args.out.name, "seed": 0, "threads": args.threads,
         "model": {"init": str(start)},
-        "eval": {"per_level": 1, "levels": ["L1"], "max_new_tokens": 4, "batch_size": 1},
         "stages": [{"stage": "grpo", "steps": args.steps, "batch_size": args.prompts * args.group,
                     "group_size": args.group, "max_new_tokens": 16, "max_prompt_len": 64, "temperature": 1.0,
                     "optim": {"lr": args.lr, "warmup_steps": 0, "min_lr_ratio": 1.0},
@@ -117,7 +124,7 @@ def main() -> None:
     print("after: ", {k: f"{statistics.mean(v):.1%}" for k, v in after.items() if k != "examples"},
           "e.g.", after["examples"])
     n = len(before["strict"])
-    print(f"\nSmolLM2-135M-Instruct, GRPO {args.steps} steps × {args.prompts} prompts × G={args.group}, "
+    print(f"\n{'SmolLM2-135M-Instruct' if args.init is None else args.init}, GRPO {args.steps} steps × {args.prompts} prompts × G={args.group}, "
           f"lr {args.lr:g}, full fine-tuning, reward = math verifier; held-out n = {n}, greedy:")
     for key in ("strict", "lenient", "math verifier"):
         b, a = before[key], after[key]

@@ -118,6 +118,22 @@ def policy_dir(tmp_path_factory, tokenizer):
     return path
 
 
+def make_ctx(run_dir, start, tokenizer, world, stage):
+    """A RunContext for driving one stage without the pipeline (recipe: that stage alone, one thread;
+    tasks: the arithmetic world; metrics kept in a ListSink, returned beside it)."""
+    import torch
+
+    from posttrain.runtime.config import Recipe
+    from posttrain.runtime.context import RunContext
+    from posttrain.telemetry import Telemetry
+
+    torch.manual_seed(0)
+    sink = ListSink()
+    ctx = RunContext(run_dir=run_dir, recipe=Recipe(stages=[stage], threads=1), device=torch.device("cpu"),
+                     tokenizer=tokenizer, tasks=world_tasks(world), telemetry=Telemetry.disabled(), sink=sink, start=start)
+    return ctx, sink
+
+
 def tiny_recipe_dict(**over) -> dict:
     """A recipe small enough for tests: seconds per stage on 2 cores."""
     d = {

@@ -1,5 +1,6 @@
 """The numeric guard in the shared optimizer step: a non-finite loss or gradient norm skips the step
-(counted, the reason kept); N in a row stop the stage with the last good checkpoint kept."""
+(counted, the reason kept); N in a row stop the stage with the last good checkpoint kept. In SFT through
+the pipeline, and in PPO, whose policy and critic take several guarded minibatch steps per iteration."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import pytest
 import torch
 from rich.console import Console
 
-from conftest import tiny_recipe_dict
+from conftest import make_ctx, make_reward_model, tiny_recipe_dict
 from posttrain.pipeline.run import run_pipeline
 from posttrain.runtime.checkpoint import verify_checkpoint
-from posttrain.runtime.config import OptimConfig, Recipe
+from posttrain.runtime.config import OptimConfig, PPOStage, Recipe
+from posttrain.stages import ppo as ppo_module
 from posttrain.stages import sft as sft_module
+from posttrain.stages.ppo import run_ppo
 from posttrain.stages._training import NonFiniteError, NumericGuard, Trainer, optimizer_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -133,3 +136,79 @@ def test_three_nans_in_a_row_stop_the_stage_and_keep_the_last_checkpoint(monkeyp
     stage = run / "checkpoints" / "sft"
     assert sorted(p.name for p in stage.iterdir()) == ["step-000003"]
     assert verify_checkpoint(stage / "step-000003") == []
+
+
+# ---- in PPO: the policy's and the critic's minibatch steps go through the same guard ----------------
+
+
+def _ppo(tmp_path, policy_dir, tokenizer, world, steps: int, **optim):
+    """A PPO stage of `steps` iterations, each 2 minibatch updates (8 rollouts, minibatches of 4, 1 epoch)
+    of the policy and of the critic; a checkpoint after every iteration."""
+    rm = make_reward_model(tmp_path / "rm", policy_dir)
+    cfg = PPOStage(reward_model=str(rm), steps=steps, batch_size=8, minibatch_size=4, ppo_epochs=1, max_new_tokens=4,
+                   data=[{"world": "arithmetic", "n": 16}], eval_per_level=0, log_every=1, save_every=1,
+                   optim={"lr": 3e-3, "warmup_steps": 0, **optim})
+    ctx, sink = make_ctx(tmp_path / "run", policy_dir, tokenizer, world, cfg)
+    return cfg, ctx, sink
+
+
+def _poison_ppo(monkeypatch, loss: str, calls: set[int]) -> list[tuple[str, list[torch.Tensor], list[torch.Tensor]]]:
+    """Make PPO's `loss` (`ppo_clip_loss`: the policy's, `clipped_value_loss`: the critic's) NaN at its
+    `calls`-th calls (one per minibatch update); returns, for every guarded update, the trainer's name and
+    its model's parameters before and after it."""
+    real_loss, real_update, seen = getattr(ppo_module, loss), ppo_module.guarded_update, []
+    count = iter(range(1, 10_000))
+
+    def poisoned(*args, **kwargs):
+        out, stats = real_loss(*args, **kwargs)
+        return (out * float("nan"), stats) if next(count) in calls else (out, stats)
+
+    def update(t, *args, **kwargs):
+        before = [p.detach().clone() for p in t.model.parameters()]
+        try:
+            return real_update(t, *args, **kwargs)
+        finally:
+            seen.append((t.name, before, [p.detach().clone() for p in t.model.parameters()]))
+
+    monkeypatch.setattr(ppo_module, loss, poisoned)
+    monkeypatch.setattr(ppo_module, "guarded_update", update)
+    return seen
+
+
+def _changed(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
+    return not all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_a_nan_policy_loss_in_ppo_skips_that_update_only(monkeypatch, tmp_path, policy_dir, tokenizer, world):
+    seen = _poison_ppo(monkeypatch, "ppo_clip_loss", {2})                 # iteration 1, its 2nd update
+    cfg, ctx, sink = _ppo(tmp_path, policy_dir, tokenizer, world, steps=2)
+    run_ppo(cfg, ctx)
+    # updates in order: (policy, critic) × 2 per iteration → 8 guarded updates over 2 iterations
+    assert [name for name, _, _ in seen] == ["ppo", "ppo critic"] * 4
+    policy = [_changed(b, a) for name, b, a in seen if name == "ppo"]
+    critic = [_changed(b, a) for name, b, a in seen if name == "ppo critic"]
+    assert policy == [True, False, True, True]                          # the poisoned update left every weight as it was
+    assert critic == [True, True, True, True]                           # the critic's own step was finite: taken
+    rows = {r["step"]: r for r in sink.records if r["stage"] == "ppo"}
+    assert rows[1]["train/skipped_steps"] == 1.0 and rows[1]["train/step_skipped"] == 1.0
+    assert rows[1]["train/skip_reason"] == "loss/policy = nan at step 1 (update 2 of 2)"
+    assert rows[1]["critic/skipped_steps"] == 0.0 and "critic/skip_reason" not in rows[1]
+    assert rows[2]["train/skipped_steps"] == 1.0 and rows[2]["train/step_skipped"] == 0.0 and "train/skip_reason" not in rows[2]
+
+
+@pytest.mark.parametrize(("loss", "who", "term"), [("ppo_clip_loss", "ppo", "loss/policy"),
+                                                   ("clipped_value_loss", "ppo critic", "loss/value")])
+def test_n_nans_in_a_row_in_ppo_stop_naming_the_term_and_step(monkeypatch, tmp_path, policy_dir, tokenizer, world,
+                                                              loss, who, term):
+    seen = _poison_ppo(monkeypatch, loss, set(range(2, 100)))            # from iteration 1's 2nd update on
+    cfg, ctx, _ = _ppo(tmp_path, policy_dir, tokenizer, world, steps=3, max_nonfinite_skips=2)
+    with pytest.raises(NonFiniteError) as e:
+        run_ppo(cfg, ctx)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"{who}: stopped after 2 optimizer steps in a row with non-finite values; "
+                          f"first: {term} = nan at step 1 (update 2 of 2); ")
+    assert msg.endswith("checkpoints/ppo/step-000001 is the newest checkpoint kept")  # saved after iteration 1
+    assert verify_checkpoint(tmp_path / "run" / "checkpoints" / "ppo" / "step-000001") == []
+    # its updates: iteration 1's first taken, its second skipped, iteration 2's first skipped → the stop
+    assert [_changed(b, a) for name, b, a in seen if name == who] == [True, False, False]

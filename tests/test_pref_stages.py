@@ -15,27 +15,16 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.models.heads import RewardNormalization, load_scalar_model
-from posttrain.runtime.config import DPOStage, PPOStage, Recipe, RewardModelStage
-from posttrain.runtime.context import RunContext
+from posttrain.runtime.config import DPOStage, PPOStage, RewardModelStage
 from posttrain.stages.dpo import run_dpo
 from posttrain.stages.ppo import run_ppo
 from posttrain.stages.reward_model import run_reward_model
-from posttrain.telemetry import Telemetry
-from conftest import ListSink, make_reward_model, world_tasks
+from conftest import ListSink, make_ctx, make_reward_model
 
 FAST = {"lr": 3e-3, "warmup_steps": 1, "min_lr_ratio": 1.0}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def make_ctx(run_dir: Path, start: Path, tokenizer, world, stage) -> tuple[RunContext, ListSink]:
-    torch.manual_seed(0)
-    recipe = Recipe(stages=[stage], threads=1)
-    sink = ListSink()
-    ctx = RunContext(run_dir=run_dir, recipe=recipe, device=torch.device("cpu"), tokenizer=tokenizer, tasks=world_tasks(world),
-                     telemetry=Telemetry.disabled(), sink=sink, start=start)
-    return ctx, sink
 
 
 def assert_all_changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], skip: tuple[str, ...] = ()) -> None:

@@ -5,15 +5,18 @@ Resume is exact: a checkpoint holds the weights, the optimizer and scheduler sta
 and the stage's data position, so a run killed at any moment and resumed ends on the same weights, bit
 for bit on the CPU with a fixed seed and thread count (tests/test_resume.py kills real runs to prove it).
 
-Numeric guard: `optimizer_step` skips the step when a loss the stage passes or the gradient norm is
-not finite — no parameter, optimizer moment or gradient of that step survives — counts it, says why,
-and after `optim.max_nonfinite_skips` skips in a row stops the stage (`NonFiniteError`, one line naming
-what went non-finite first and at which step); the last checkpoint written stays the newest.
+Numeric guard: `guarded_update` skips an optimizer update when a loss the stage passes or the gradient
+norm is not finite — no parameter, optimizer moment or gradient of that update survives — counts it,
+says why, and after `optim.max_nonfinite_skips` skips in a row stops the stage (`NonFiniteError`, one
+line naming what went non-finite first and at which step); the last checkpoint written stays the
+newest. `optimizer_step` is one guarded update per stage step; PPO takes several per step, for the
+policy and for the critic (each a `Trainer` with its own guard), and calls `guarded_update` itself.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -78,33 +81,40 @@ class NumericGuard:
     skipped: int = 0  # skipped steps in the whole stage (resumed runs carry the count on)
     in_a_row: int = 0
     first: str | None = None  # what went non-finite first in the current run of skips, and at which step
-    reason: str | None = None  # why the latest step was skipped (None: it was taken)
+    reason: str | None = None  # why an update of the current stage step was skipped, the first (None: none was)
 
-    def check(self, step: int, losses: dict[str, float], grad_norm: float) -> str | None:
-        """Why step `step` must be skipped, or None when every value is finite. Losses are named first:
-        a NaN loss makes the gradient NaN too, and the loss term is the cause worth naming."""
+    def check(self, step: int, losses: dict[str, float], grad_norm: float, where: str = "") -> str | None:
+        """Why the update at step `step` (`where` in it, e.g. "update 2 of 4") must be skipped, or None
+        when every value is finite. Losses are named first: a NaN loss makes the gradient NaN too, and
+        the loss term is the cause worth naming."""
+        at = f"at step {step}" + (f" ({where})" if where else "")
         for name, value in losses.items():
             if not math.isfinite(value):
-                return f"{name} = {value} at step {step}"
+                return f"{name} = {value} {at}"
         if not math.isfinite(grad_norm):
-            return f"gradient norm = {grad_norm} at step {step}"
+            return f"gradient norm = {grad_norm} {at}"
         return None
 
+    def begin_step(self) -> None:
+        """A new stage step: the previous one's skip reason is no longer this step's."""
+        self.reason = None
+
     def record(self, reason: str | None) -> None:
-        self.reason = reason
         if reason is None:
             self.in_a_row, self.first = 0, None
             return
+        self.reason = self.reason or reason
         self.skipped += 1
         self.in_a_row += 1
         self.first = self.first or reason
 
-    def metrics(self) -> dict[str, float | str]:
-        """This step's metrics.jsonl keys: the running count, whether this step was skipped, and why."""
-        out: dict[str, float | str] = {"train/skipped_steps": float(self.skipped),
-                                       "train/step_skipped": float(self.reason is not None)}
+    def metrics(self, prefix: str = "train") -> dict[str, float | str]:
+        """This step's metrics.jsonl keys: the running count of skipped updates, whether an update of this
+        step was skipped, and why (the first)."""
+        out: dict[str, float | str] = {f"{prefix}/skipped_steps": float(self.skipped),
+                                       f"{prefix}/step_skipped": float(self.reason is not None)}
         if self.reason is not None:
-            out["train/skip_reason"] = self.reason
+            out[f"{prefix}/skip_reason"] = self.reason
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -230,37 +240,52 @@ def save(ctx: RunContext, cfg: TrainStage, t: Trainer, *, data_state: dict[str, 
 
 
 def optimizer_step(t: Trainer, cfg: OptimConfig, losses: dict[str, float] | None = None) -> float:
-    """Guard, clip, step, schedule, zero. Returns the pre-clip gradient norm (a device sync point).
+    """One guarded update (`guarded_update`), then the schedule and the step count. Returns the pre-clip
+    gradient norm (a device sync point). A skipped update still moves the step count and the schedule on
+    (the lr follows the step number)."""
+    t.guard.begin_step()
+    norm = guarded_update(t, cfg, losses or {}, step=t.step + 1)
+    next_step(t)
+    return norm
 
-    The guard: when a value of `losses` (the stage's loss terms of this step, by metric name) or the
-    gradient norm is NaN or ±inf, the optimizer step is skipped — the gradients are dropped, parameters
-    and AdamW moments stay as they were — while the step count and the schedule move on (the lr follows
-    the step number); `t.guard` counts it and keeps the reason, and `cfg.max_nonfinite_skips` skips in a
-    row raise NonFiniteError. The clip is `clip_grad_norm_`'s — gradients × min(1, limit / (norm + 1e-6))
-    — except that a factor of exactly 1 (every norm up to ~1e-6 below the limit) skips the multiply, a
-    pass over all gradients that would leave them bitwise as they are."""
+
+def next_step(t: Trainer) -> None:
+    """The schedule and the step count move on, whether or not this step's updates were taken."""
+    with warnings.catch_warnings():  # a skipped update is meant: the schedule follows the step count
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
+        t.scheduler.step()
+    t.step += 1
+
+
+def guarded_update(t: Trainer, cfg: OptimConfig, losses: dict[str, float], *, step: int, where: str = "") -> float:
+    """Guard, clip, step the optimizer, zero the gradients — one update of `t.model`, without the schedule.
+
+    The guard: when a value of `losses` (this update's loss terms, by metric name) or the gradient norm
+    is NaN or ±inf, the update is skipped — the gradients are dropped, parameters and AdamW moments stay
+    as they were; `t.guard` counts it and keeps the reason (`step`, and `where` within it), the console
+    gets one line, and `cfg.max_nonfinite_skips` skips in a row raise NonFiniteError. The clip is
+    `clip_grad_norm_`'s — gradients × min(1, limit / (norm + 1e-6)) — except that a factor of exactly 1
+    (every norm up to ~1e-6 below the limit) skips the multiply, a pass over all gradients that would
+    leave them bitwise as they are. Returns the pre-clip gradient norm (a device sync point)."""
     params = [p for p in t.model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = float(grad_norm)                                                # device sync point
-    reason = t.guard.check(t.step + 1, losses or {}, norm)
+    reason = t.guard.check(step, losses, norm, where)
     t.guard.record(reason)
     if reason is None:
         coef = cfg.grad_clip / (grad_norm + 1e-6)                          # as torch computes it
         if not bool(coef >= 1.0):
             torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)  # scales each p.grad
         t.optimizer.step()
-    with warnings.catch_warnings():  # a skipped step is meant: the schedule follows the step count
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
-        t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
-    t.step += 1
     if reason is not None:
         g = t.guard
-        t.say(f"[bold yellow]{t.name}: optimizer step {t.step} skipped: {reason} is not finite "
+        t.say(f"[bold yellow]{t.name}: optimizer step {step} skipped: {reason} is not finite "
               f"({g.in_a_row} in a row, {g.skipped} in this stage; the stage stops at {g.limit} in a row)")
         if g.in_a_row >= g.limit:
             kept = latest_checkpoint(t.stage_dir) if t.stage_dir is not None else None
-            where = f"{kept} is the newest checkpoint kept" if kept else "no checkpoint of this stage was written; it restarts from its start on --resume"
+            where_kept = (f"{kept} is the newest checkpoint kept" if kept else
+                          "no checkpoint of this stage was written; it restarts from its start on --resume")
             raise NonFiniteError(f"{t.name}: stopped after {g.in_a_row} optimizer steps in a row with non-finite values; "
-                                 f"first: {g.first}; {where}")
+                                 f"first: {g.first}; {where_kept}")
     return norm

@@ -25,6 +25,10 @@ Departures:
    reward model never saw an unfinished reply; a common guard against length hacking).
 4. The learning-rate schedule and `steps` count iterations; each iteration takes
    ppo_epochs × batch_size / minibatch_size optimizer steps of both models.
+5. Every optimizer step of either model goes through the numeric guard (`_training.guarded_update`):
+   the policy's under `loss/policy`, the critic's under `loss/value`, each with its own count — a
+   skipped step leaves that model's weights and moments as they were, and `optim.max_nonfinite_skips`
+   skips in a row of one model stop the stage naming the term, the iteration and the minibatch update.
 """
 
 from __future__ import annotations
@@ -66,9 +70,13 @@ from posttrain.stages._learned_reward import (
 )
 from posttrain.stages._packing import padded_completion_logits
 from posttrain.stages._training import (
+    NumericGuard,
     ReferencePolicy,
+    Trainer,
     build_optimizer,
     describe_trainable,
+    guarded_update,
+    next_step,
     reference_policy,
     save,
     start_or_resume,
@@ -116,14 +124,6 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     return float(1 - (ret - v).var() / var) if var > 0 else float("nan")
 
 
-def minibatch_step(model, optimizer, loss: Tensor, grad_clip: float) -> float:
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(norm)
-
-
 def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
     tok, seed = ctx.tokenizer, ctx.recipe.seed
@@ -146,6 +146,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
     critic_optim_cfg = cfg.optim.model_copy(update={"lr": cfg.critic_lr})
     critic_opt = build_optimizer(critic, critic_optim_cfg)
     critic_sched = warmup_cosine(critic_opt, critic_optim_cfg, cfg.steps)
+    critic_t = Trainer(critic, critic_opt, critic_sched, step=t.step, data_state=None, name=f"{cfg.folder} critic",
+                       guard=NumericGuard(cfg.optim.max_nonfinite_skips), stage_dir=t.stage_dir, say=t.say)
     kl_ctl = (AdaptiveKLController(cfg.kl_coef, target=cfg.kl_target, horizon=cfg.kl_horizon)
               if cfg.kl_target is not None else FixedKLController(cfg.kl_coef))
     sampler = EpochSampler(len(problems), cfg.batch_size, seed=seed)
@@ -155,6 +157,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
         critic_opt.load_state_dict(t.data_state["critic_optimizer"])
         critic_sched.load_state_dict(t.data_state["critic_scheduler"])
         kl_ctl.load_state_dict(t.data_state["kl"])
+        if "critic_guard" in t.data_state:  # absent in checkpoints written before PPO was guarded
+            critic_t.guard.load_state_dict(t.data_state["critic_guard"])
     engine = ctx.rollout_engine(t.model)
     minibatches = cfg.batch_size // cfg.minibatch_size
     ctx.console.print(
@@ -165,7 +169,7 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
 
     def data_state() -> dict:
         return {"sampler": sampler.state_dict(), "critic": trainable_state(critic), "critic_optimizer": critic_opt.state_dict(),
-                "critic_scheduler": critic_sched.state_dict(), "kl": kl_ctl.state_dict()}
+                "critic_scheduler": critic_sched.state_dict(), "kl": kl_ctl.state_dict(), "critic_guard": critic_t.guard.state_dict()}
 
     # ---- loop ----------------------------------------------------------------------------------
     metrics: dict[str, float] = {}
@@ -202,6 +206,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
             with ctx.phase("update", stage=cfg.folder, step=step, cost=update_cost):
                 gen = torch.Generator().manual_seed(seed * 7919 + step)
                 stats: list[dict[str, float]] = []
+                t.guard.begin_step()
+                critic_t.guard.begin_step()
                 for epoch in range(cfg.ppo_epochs):
                     order = torch.randperm(len(r), generator=gen)
                     for k in range(minibatches):
@@ -214,19 +220,21 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                             logps = token_logprobs(logits, sub.completion_ids)
                             pl, pstats = ppo_clip_loss(logps, old_logps[mb], advantages[mb], m, clip_low=cfg.clip, clip_high=cfg.clip)
                             policy_loss = token_mean(pl, m, norm_mb)
-                        policy_grad = minibatch_step(t.model, t.optimizer, policy_loss, cfg.optim.grad_clip)
+                        where = f"update {epoch * minibatches + k + 1} of {cfg.ppo_epochs * minibatches}"
+                        policy_loss.backward()
+                        policy_grad = guarded_update(t, cfg.optim, {"loss/policy": policy_loss.item()}, step=step, where=where)
                         with ctx.autocast():
                             vl, vstats = clipped_value_loss(completion_values(critic, sub), old_values[mb], returns[mb], m, clip=cfg.value_clip)
                             value_loss = token_mean(vl, m, norm_mb)
-                        minibatch_step(critic, critic_opt, value_loss, cfg.optim.grad_clip)
+                        value_loss.backward()
+                        guarded_update(critic_t, cfg.optim, {"loss/value": value_loss.item()}, step=step, where=where)
                         with torch.no_grad():
                             entropy = token_mean(entropy_from_logits(logits.detach()), m, norm_mb)
                         stats.append({"loss/policy": policy_loss.item(), "loss/value": value_loss.item(), "train/grad_norm": policy_grad,
                                       "entropy": entropy.item(), **{f"policy/{k}": v for k, v in pstats.as_floats().items()},
                                       "value/clip_frac": vstats.as_floats()["clip_frac"]})
-                t.scheduler.step()
-                critic_sched.step()
-                t.step += 1
+                next_step(t)
+                next_step(critic_t)
             with ctx.phase("sync", stage=cfg.folder, step=step) as ph:  # the next rollout samples the updated policy
                 ph.cost = costs.Cost(bytes=engine.sync_weights(t.model))
             if step == 1:  # once: what the phases' memory peaks are made of
@@ -243,7 +251,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                 "objective/score": kl["score"], "kl": kl["kl"], "kl_coef": kl_ctl.value, "objective/non_score_reward": kl["non_score_reward"],
                 "value/explained_variance": explained_variance(old_values, returns, mask),
                 "response/length": r.completion_lengths.float().mean().item(), "response/truncated": truncated.float().mean().item(),
-                "train/lr": t.scheduler.get_last_lr()[0], "train/rollouts_per_s": len(r) / (time.perf_counter() - t0)})
+                "train/lr": t.scheduler.get_last_lr()[0], "train/rollouts_per_s": len(r) / (time.perf_counter() - t0),
+                **t.guard.metrics(), **critic_t.guard.metrics("critic")})
             if known:
                 metrics.update({"gold/reward": sum(known) / len(known), "gold/correct": sum(g > 0 for g in known) / len(known)})
             kl_ctl.update(kl["kl"], n_steps=len(r))
