@@ -78,7 +78,7 @@ from posttrain.stages._rlvr import (
     score_rollout,
 )
 from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
-from posttrain.stages._training import Trainer, optimizer_step, reference_policy, save, start_or_resume
+from posttrain.stages._training import Trainer, next_step, optimizer_step, reference_policy, save, start_or_resume
 from posttrain.telemetry import costs, memory
 
 
@@ -349,8 +349,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                 metrics = dict(got)
                 if b is None:  # nothing to learn from: no optimizer step, the schedule moves on
                     for _ in range(cfg.mu):
-                        t.scheduler.step()
-                        t.step += 1
+                        next_step(t)
                 else:
                     n = b.input_ids.shape[1] - b.prompt_len
                     # the rows a forward runs (the last completion column is no input): padded (R, P + N − 1),
