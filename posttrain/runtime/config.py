@@ -201,7 +201,7 @@ class RejectionSamplingStage(Strict):
     max_new_tokens: int = Field(48, gt=0, description="completion budget per sample")
     max_prompt_len: int = Field(64, gt=0, description="longest prompt in tokens (longer ones are an error)")
     batch_prompts: int = Field(64, gt=0, description="prompts per generation call")
-    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="gold")], description="verifiers summed into the score (may be empty with a reward_model)")
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="math")], description="verifiers summed into the score (may be empty with a reward_model); the default, as GRPO's, judges any problem file — `gold` is the arithmetic world's graded judge")
     reward_model: str | None = Field(None, description="a reward_model stage of this run, or a reward-model folder: its normalized score (mean 0, std 1 on the start policy's samples) × reward_model_weight is added to the score")
     reward_model_weight: float = Field(1.0, description="weight of the reward model's normalized score in the summed score")
     keep: Literal["best", "all_correct"] = Field("best", description="per prompt: the best-scoring sample, or every sample at or above min_reward")
