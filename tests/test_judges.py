@@ -21,6 +21,7 @@ from posttrain.judges import (
     gold_agreement,
     judge_pairs,
     judge_scores,
+    pairs_from_scores,
     pairwise_gold_agreement,
     parse_choice,
     parse_score,
@@ -111,6 +112,20 @@ def test_gold_agreement_arithmetic():
     assert (a.n, a.agree, a.disagree, a.ties, a.unparseable, a.gold_undecided) == (6, 2, 2, 1, 1, 2)
     assert a.rate == pytest.approx(1 / 3) and a.se == pytest.approx(math.sqrt(1 / 3 * 2 / 3 / 6))
     assert a.decided_rate == pytest.approx(0.5)  # 2 of the 4 decided
+    # Wilson, z² = 3.8416: centre (1/3 + 3.8416/12) / (1 + 3.8416/6) = 0.6535/1.6403 = 0.3984,
+    # half 1.96·sqrt(2/9/6 + 3.8416/144) / 1.6403 = 0.3016 → [0.0968, 0.7000]
+    assert a.interval == pytest.approx((0.0968, 0.7000), abs=1e-4)
+    none = gold_agreement([PairJudgement(T, ("A", "A"), ("", ""))] * 60, [1.0] * 60, [0.0] * 60)
+    # 0 of 60: se 0, but Wilson's upper end is 3.8416/60 / (1 + 3.8416/60) = 0.0602
+    assert (none.rate, none.se) == (0.0, 0.0) and none.interval == pytest.approx((0.0, 0.0602), abs=1e-4)
+
+
+def test_rubric_scores_as_pair_judgements():
+    # higher score wins, equal scores tie, an unparseable score leaves the pair unjudged
+    out = pairs_from_scores([9.0, 2.0, 5.0, None], [3.0, 8.0, 5.0, 7.0])
+    assert [j.winner for j in out] == [Winner.FIRST, Winner.SECOND, Winner.TIE, None]
+    a = gold_agreement(out, [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0])  # gold: the first reply every time
+    assert (a.agree, a.disagree, a.ties, a.unparseable, a.rate) == (1, 1, 1, 1, 0.25)
 
 
 def test_agreement_with_the_arithmetic_gold_judge(world):

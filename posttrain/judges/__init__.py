@@ -8,7 +8,7 @@ Modules: `backend` (ChatRequest, the ChatBackend protocol, errors), `local` (Loc
 `agreement` (gold_agreement).
 """
 
-from posttrain.judges.agreement import Agreement, gold_agreement, pairwise_gold_agreement
+from posttrain.judges.agreement import Agreement, gold_agreement, pairs_from_scores, pairwise_gold_agreement
 from posttrain.judges.backend import BudgetExhausted, ChatBackend, ChatRequest, JudgeBackendError
 from posttrain.judges.cache import ResponseCache, request_key
 from posttrain.judges.endpoint import EndpointBackend, EndpointStats
@@ -29,5 +29,6 @@ __all__ = [
     "Agreement", "BudgetExhausted", "ChatBackend", "ChatRequest", "EndpointBackend", "EndpointStats",
     "JudgeBackendError", "LocalChatBackend", "PairJudgement", "PairwiseCounts", "ResponseCache", "RubricResult",
     "RubricVerifier", "Winner", "combine_orders", "count_pairs", "gold_agreement", "judge_pairs", "judge_scores",
-    "pair_request", "pairwise_gold_agreement", "parse_choice", "parse_score", "request_key", "rubric_request",
+    "pair_request", "pairs_from_scores", "pairwise_gold_agreement", "parse_choice", "parse_score", "request_key",
+    "rubric_request",
 ]

@@ -6,10 +6,12 @@ cannot separate (equal rewards, or None) are left out and counted. Over the n pa
 
     rate = agree / n,   se = sqrt(rate · (1 − rate) / n)   (binomial standard error)
 
-where a judge's tie (its two orders disagreed) or an unparseable reply counts as *not* agreeing — a
+and the Wilson 95% interval (Wilson 1927), which stays honest at a rate of 0 or 1 where the binomial
+standard error is 0 (at 0 of 60 it is [0, 0.060]) — where a judge's tie (its two orders disagreed) or an unparseable reply counts as *not* agreeing — a
 judge that always answers "A" scores 0, not 50%. `decided_rate` = agree / (agree + disagree) is the
 rate on the pairs the judge did decide; together with `ties` and `unparseable` it says whether a low
-rate is wrong judgements or no judgements.
+rate is wrong judgements or no judgements. `pairs_from_scores` turns a rubric judge's two scores per
+pair into the same judgements, so both kinds of judge are measured alike.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ class Agreement:
     gold_undecided: int       # pairs left out: equal gold rewards, or a reply the gold judge cannot judge
     rate: float               # agree / n
     se: float                 # binomial standard error of rate
+    interval: tuple[float, float]  # Wilson 95% interval of rate
     decided_rate: float | None  # agree / (agree + disagree); None when the judge decided no pair
 
     def summary(self) -> str:
         decided = "n/a" if self.decided_rate is None else f"{self.decided_rate:.3f}"
-        return (f"agreement with gold {self.rate:.3f} ± {self.se:.3f} (n={self.n}; agree {self.agree}, "
+        return (f"agreement with gold {self.rate:.3f} ± {self.se:.3f} (95% CI {self.interval[0]:.3f}–{self.interval[1]:.3f}; "
+                f"n={self.n}; agree {self.agree}, "
                 f"disagree {self.disagree}, tie {self.ties}, unparseable {self.unparseable}; "
                 f"on decided pairs {decided}; {self.gold_undecided} pairs the gold judge does not separate)")
 
@@ -67,7 +71,28 @@ def gold_agreement(judgements: Sequence[PairJudgement], gold_first: Sequence[flo
     rate = agree / n if n else 0.0
     se = math.sqrt(rate * (1 - rate) / n) if n else 0.0
     decided = agree / (agree + disagree) if agree + disagree else None
-    return Agreement(n, agree, disagree, ties, unparseable, undecided, rate, se, decided)
+    return Agreement(n, agree, disagree, ties, unparseable, undecided, rate, se, wilson(agree, n), decided)
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for k successes in n trials ((0, 1) when n = 0)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def pairs_from_scores(first: Sequence[float | None], second: Sequence[float | None]) -> list[PairJudgement]:
+    """A rubric judge's scores of each pair's two replies as pair judgements: the higher score wins, equal
+    scores tie, an unparseable score leaves the pair unjudged — so `gold_agreement` reads both judges alike.
+    (Each reply is scored on its own, so there is no position to be biased by.)"""
+    out = []
+    for a, b in zip(first, second, strict=True):
+        winner = None if a is None or b is None else Winner.FIRST if a > b else Winner.SECOND if b > a else Winner.TIE
+        out.append(PairJudgement(winner, (None, None), ("", "")))
+    return out
 
 
 def pairwise_gold_agreement(backend: ChatBackend, problems: Sequence[Problem], firsts: Sequence[str],
