@@ -1,6 +1,6 @@
 """Agreement of an AI judge with the arithmetic world's gold judge (issue 25).
 
-    python benchmarks/judge_agreement.py [--pairs 40] [--levels L1 L2] [--seed 0] [--batch-size 8] [--rubric] [--checkpoint DIR]
+    python benchmarks/judge_agreement.py [--pairs 40] [--levels L1 L2] [--seed 0] [--batch-size 8] [--rubric [--rubric-tokens 32]] [--checkpoint DIR]
 
 Pairs: for each training problem of the world (held-out eval problems are never used), the gold-best
 reply (`concise_answer`: column work, then the number) against a worse one — a wrong number after the
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rubric", action="store_true", help="also score each reply with the rubric judge")
+    ap.add_argument("--rubric-tokens", type=int, default=32, help="reply budget of the rubric judge")
     ap.add_argument("--checkpoint", default=None, help="judge checkpoint (default: SmolLM2-135M-Instruct)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -72,7 +73,7 @@ def main() -> None:
     if args.rubric:  # the same pairs, each reply scored on its own (no position to be biased by)
         t0 = time.perf_counter()
         prompts = [p.prompt for p in problems]
-        r1, r2 = (judge_scores(backend, prompts, texts) for texts in (firsts, seconds))
+        r1, r2 = (judge_scores(backend, prompts, texts, max_tokens=args.rubric_tokens) for texts in (firsts, seconds))
         wall = time.perf_counter() - t0
         scored = pairs_from_scores(r1.scores, r2.scores)
         print(f"rubric judge ({2 * len(problems)} calls, {wall:.0f} s wall): {gold_agreement(scored, g1, g2).summary()}")
@@ -82,7 +83,7 @@ def main() -> None:
             print(f"rubric {kind}: {a.summary()}")
         print(f"rubric unparseable {r1.unparseable + r2.unparseable} of {2 * len(problems)}; "
               f"scores seen {sorted({s for s in r1.scores + r2.scores if s is not None})}; "
-              f"first replies: {[t[:40] for t in r1.replies[:3]]}")
+              f"first replies: {[t[-60:] for t in r1.replies[:3]]}")
 
 
 if __name__ == "__main__":

@@ -82,14 +82,15 @@ def test_retry_after_a_dropped_connection_and_a_5xx():
 
 
 def test_timeout_then_retry_and_timeouts_exhausted():
-    with server("--plan", "stall", "--stall-s", "5") as (url, stats):
-        b = EndpointBackend(url, "stub", api_key_env=None, timeout_s=0.5, max_retries=1, backoff_s=0)
+    # timeouts of 1.5 s against stalls of 8 s: room for a loaded machine to answer the healthy attempt
+    with server("--plan", "stall", "--stall-s", "8") as (url, stats):
+        b = EndpointBackend(url, "stub", api_key_env=None, timeout_s=1.5, max_retries=1, backoff_s=0)
         t0 = time.monotonic()
-        assert b.complete([ask("slow")]) == ["echo: slow"]  # attempt 1 stalls past 0.5 s, attempt 2 answers
-        assert 0.5 <= time.monotonic() - t0 < 4.5 and stats()["chat_requests"] == 2
-    with server("--plan", "stall,stall", "--stall-s", "5") as (url, stats):
-        b = EndpointBackend(url, "stub", api_key_env=None, timeout_s=0.3, max_retries=1, backoff_s=0)
-        with pytest.raises(JudgeBackendError, match=r"no answer after 2 attempt\(s\); last: timed out after 0.3 s"):
+        assert b.complete([ask("slow")]) == ["echo: slow"]  # attempt 1 stalls past 1.5 s, attempt 2 answers
+        assert 1.5 <= time.monotonic() - t0 < 7.5 and stats()["chat_requests"] == 2
+    with server("--plan", "stall,stall", "--stall-s", "8") as (url, stats):
+        b = EndpointBackend(url, "stub", api_key_env=None, timeout_s=1.5, max_retries=1, backoff_s=0)
+        with pytest.raises(JudgeBackendError, match=r"no answer after 2 attempt\(s\); last: timed out after 1.5 s"):
             b.complete([ask("slow")])
         assert stats()["chat_requests"] == 2
 
