@@ -66,6 +66,9 @@ def test_exact_dedup_counts_known_duplicates(dup_file):
     assert [r.origin.rsplit(":", 1)[1] for r in kept] == ["1", "2", "5", "6", "7", "8", "9"]
     assert [e.where.rsplit(":", 1)[1] for e in report.examples] == ["3", "4", "10"]  # 3 ≤ EXAMPLES shown
     assert report.examples[1].detail.endswith("sft.jsonl:1")
+    # by prompt only: lines 3, 4 (A), 6, 10 (B) and 8 (C) repeat an earlier prompt → 5 removed, 5 kept
+    kept, report = exact_dedup(dup_file, part="prompt")
+    assert [r.origin.rsplit(":", 1)[1] for r in kept] == ["1", "2", "5", "7", "9"] and report.n_removed == 5
 
 
 def test_near_dedup_counts_known_near_duplicates(dup_file):
@@ -164,6 +167,12 @@ def test_arithmetic_world_splits_are_clean_and_planted_eval_problems_are_caught(
     # 300 training problems overlap; the 200 / 20 = 10 planted eval problems all do
     kept, report = decontaminate(train + planted, index)
     assert report.removed == {"eval overlap": 10} and len(kept) == 300
+
+
+def test_shingles():
+    assert shingles("abcdef", n=5, shingle="char") == {"abcde", "bcdef"}  # 6 − 5 + 1 = 2 grams
+    assert shingles("What is 2+2?") == {"what is 2", "is 2 +", "2 + 2", "+ 2 ?"}  # 6 words → 4 word 3-grams
+    assert shingles("Hi there") == {"hi there"}  # fewer words than n: one shingle, the whole text
 
 
 def test_normalize_and_words():
