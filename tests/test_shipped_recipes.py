@@ -42,6 +42,10 @@ def shrink(raw: dict[str, Any]) -> list[str]:
                 out.append(f"stages.{i}.optim.warmup_steps=1")
             elif key in st:
                 out.append(f"stages.{i}.{key}={value}")
+        if st.get("stage") == "rejection_sampling":
+            # A few steps of training solve nothing, so nothing would reach the recipe's bar and the stage
+            # rightly refuses to write an empty file; keep every sample so the hand-off itself is exercised.
+            out.append(f"stages.{i}.min_reward=-1e9")
         for j, src in enumerate(st.get("data", [])):
             if "n" in src:
                 out.append(f"stages.{i}.data.{j}.n=64")
