@@ -28,6 +28,7 @@ def _quiet_libraries() -> None:
 def _guard(fn: Callable[[], T]) -> T:
     """Run `fn`; a user error (bad recipe, data, checkpoint, model folder) is one red line and exit 2."""
     from posttrain.data import DataError
+    from posttrain.distributed import DistributedError
     from posttrain.models import ModelLoadError
     from posttrain.models.lora import LoraError
     from posttrain.runtime.checkpoint import CheckpointError
@@ -40,7 +41,7 @@ def _guard(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except (RecipeError, DataError, CheckpointError, RunError, ModelLoadError, LoraError, ReportError, TaskError,
-            NonFiniteError) as e:
+            NonFiniteError, DistributedError) as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
@@ -51,6 +52,7 @@ def packaged_recipe(name: str) -> Path:
 
 def _run(recipe_path: Path, out: Path | None, resume: bool, overrides: list[str], *, fresh: bool) -> None:
     _quiet_libraries()
+    from posttrain.distributed import init_world
     from posttrain.runtime.config import load_recipe
     from posttrain.pipeline.run import run_pipeline
 
@@ -58,15 +60,22 @@ def _run(recipe_path: Path, out: Path | None, resume: bool, overrides: list[str]
 
     recipe = _guard(lambda: load_recipe(recipe_path, overrides))
     run_dir = out or Path("runs") / recipe.name
-    console.print(f"[bold]posttrain[/] {recipe_path} → {run_dir}")
+    ranks = _guard(lambda: init_world(recipe.device))  # under torchrun: join the other ranks (docs/distributed.md)
+    # rank 0 speaks for the run; the other ranks print nothing but their errors
+    said = console if ranks.is_main else Console(quiet=True)
+    said.print(f"[bold]posttrain[/] {recipe_path} → {run_dir}"
+               + (f" on {ranks.world_size} ranks ({ranks.backend})" if ranks.world_size > 1 else ""))
     try:
-        _guard(lambda: run_pipeline(recipe, run_dir, resume=resume, fresh=fresh, console=console))
+        _guard(lambda: run_pipeline(recipe, run_dir, resume=resume, fresh=fresh, console=said, ranks=ranks))
     except DoctorStop as stop:  # the recipe asked the doctor to stop at this severity: one line, exit 3
         _finish(run_dir)
         console.print(f"[bold red]stopped:[/] {stop} (doctor.json: `stopped`; doctor.stop_on in the recipe)",
                       highlight=False, soft_wrap=True)
         raise typer.Exit(DOCTOR_STOP_EXIT) from None
-    _finish(run_dir)
+    finally:
+        ranks.close()
+    if ranks.is_main:  # the report is written once, by the rank that wrote the run folder
+        _finish(run_dir)
 
 
 def _finish(run_dir: Path) -> None:

@@ -19,8 +19,8 @@ micro-batches hold different numbers of tokens (see tests/test_losses_aggregatio
 Departures:
 1. In seq_mean_token_mean a sequence with no masked-in token contributes 0 (its mean is 0/0) but
    still counts in G, as it did in the full batch's count.
-2. Across data-parallel ranks, count over all ranks; with DDP's gradient averaging, multiply the
-   loss by the world size (DDP divides by it).
+2. Across data-parallel ranks, count over all ranks; the ranks' gradients are then summed
+   (`posttrain.distributed.all_reduce_gradients`), not averaged, so no loss is scaled by the world size.
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ never leaves a half-made run directory. The pipeline owns resume (pipeline/resum
 is verified against its manifest first and one that fails is set aside; a stage with a `final/`
 checkpoint is done and skipped; a stage with step checkpoints continues from the newest; metrics logged
 after that checkpoint by the killed run are dropped so the streams read as one uninterrupted run.
+
+Data-parallel (`torchrun --nproc-per-node N -m posttrain.cli run …`, docs/distributed.md): rank 0 alone
+writes the run folder — recipe, base checkpoint, checkpoints, metrics, phases, evals, doctor.json; the
+other ranks wait for it at each hand-off (base published, each checkpoint published) and then read
+what it wrote. A stage that does not run data-parallel is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from rich.console import Console
 
 from posttrain.data import encode_sft_dataset, read_jsonl
+from posttrain.distributed import World
 from posttrain.doctor import DoctorStop, LiveDoctor, Severity, load_streams, write_doctor_json
 from posttrain.doctor.diagnose import RUN_RULES
 from posttrain.models import NAMED_CHECKPOINTS, build_tiny, checkpoint_folder, count_parameters, load_model, load_tokenizer, train_tokenizer
@@ -30,23 +36,51 @@ from posttrain.runtime.config import Recipe
 from posttrain.runtime.context import RunContext, StageResult, eval_plan, make_tasks
 from posttrain.pipeline.evals import as_json, run_evals
 from posttrain.pipeline.resume import BASE, RunError, inspect_run_dir, prepare_run_dir
+from posttrain.runtime.checkpoint import FINAL
 from posttrain.tasks import Capability, TaskSet
 from posttrain.tasks.base import RECORD_KINDS
 from posttrain.tasks.records import EvalRecord
 from posttrain.stages.pretrain import run_pretrain
+from posttrain.stages import grpo as grpo_stage, sft as sft_stage
 from posttrain.stages.sft import run_sft
 from posttrain.stages.reward_model import run_reward_model
 from posttrain.stages.dpo import run_dpo
 from posttrain.stages.ppo import run_ppo
 from posttrain.stages.grpo import run_grpo
 from posttrain.stages.rejection_sampling import produced_paths, run_rejection_sampling
-from posttrain.telemetry import JsonlSink, Telemetry
+from posttrain.telemetry import JsonlSink, MetricSink, Telemetry
 from posttrain.telemetry.revision import Announcer
 
 STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft": run_sft, "grpo": run_grpo,
                                                  "rejection_sampling": run_rejection_sampling,
                                                  "reward_model": run_reward_model, "dpo": run_dpo, "ppo": run_ppo}
-__all__ = ["BASE", "RunError", "STAGES", "run_pipeline"]
+# The stages that run data-parallel, each with why a config of it cannot (None: it can).
+DATA_PARALLEL: dict[str, Callable[..., str | None]] = {"sft": sft_stage.data_parallel_problem,
+                                                       "grpo": grpo_stage.data_parallel_problem}
+__all__ = ["BASE", "DATA_PARALLEL", "RunError", "STAGES", "run_pipeline"]
+
+
+class NullSink:
+    """The metric sink of ranks other than 0: they log nothing (rank 0 logs the global values)."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def check_data_parallel(recipe: Recipe, world_size: int) -> None:
+    """On more than one rank every stage must run data-parallel: refused before anything is written,
+    naming the stage, rather than N processes each training a copy."""
+    if world_size == 1:
+        return
+    for i, stage in enumerate(recipe.stages):
+        check = DATA_PARALLEL.get(stage.stage)
+        problem = (f"the {stage.stage} stage does not run data-parallel yet (data-parallel: "
+                   f"{', '.join(DATA_PARALLEL)}); run this recipe in one process") if check is None else check(stage, world_size)
+        if problem:
+            raise RunError(f"stages[{i}] ({stage.folder}): {problem} — {world_size} ranks from torchrun")
 
 
 def last_good_checkpoint(stage_dir: Path, first_step: int, fallback: Path) -> Path:
@@ -168,19 +202,9 @@ def save_base(model, tok, run_dir: Path) -> Path:
     return publish(run_dir / "checkpoints" / BASE / "final", write)
 
 
-def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: bool = False,
-                 console: Console | None = None, world=None) -> list[EvalRecord]:
-    """Run the recipe's stages into `run_dir`, evaluating after each; returns every eval record.
-
-    `world`: an ArithmeticWorld for the `arithmetic` task instead of building one (e.g. one whose
-    `drawn` set the caller reads afterwards to check an eval set against everything the run trained
-    on); used only if the recipe names that task. Tasks the recipe does not name are never built."""
-    console = console or Console()
-    check_model_init(recipe)
-    check_backends(recipe)
-    seed_everything(recipe.seed)
-    tasks = make_tasks(recipe, world)
-    evals_plan = eval_plan(recipe, tasks)
+def prepare_start(recipe: Recipe, run_dir: Path, tasks: TaskSet, console: Console, *, resume: bool, fresh: bool):
+    """Check the folder and the inputs, then write what a run starts from: the folder set up for this
+    run (or resumed) and the base checkpoint. Returns (the base checkpoint, its tokenizer)."""
     # Read-only first: the folder's recipe must be this one, and resume trusts only checkpoints that verify.
     plan = inspect_run_dir(run_dir, recipe, resume=resume, fresh=fresh)
     base_done = plan.base
@@ -190,24 +214,53 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
         base_model, tokenizer = make_base(recipe, tasks, console)
     for name in tasks.names:
         console.print(f"[dim]{tasks.get(name).describe()}")
-    if not evals_plan:
-        console.print("[dim]evals: none (the recipe names no `evals`)")
     validate_inputs(recipe, tokenizer, run_dir, tasks)  # before anything is written
     prepare_run_dir(run_dir, plan, recipe, console)  # set aside / clear, recipe.yaml, drop rows after checkpoints
     if base_done is None:
         start = save_base(base_model, tokenizer, run_dir)
         tokenizer = load_tokenizer(start)
+    return start, tokenizer
+
+
+def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: bool = False,
+                 console: Console | None = None, world=None, ranks: World | None = None) -> list[EvalRecord]:
+    """Run the recipe's stages into `run_dir`, evaluating after each; returns every eval record (on
+    ranks other than 0: none).
+
+    `world`: an ArithmeticWorld for the `arithmetic` task instead of building one (e.g. one whose
+    `drawn` set the caller reads afterwards to check an eval set against everything the run trained
+    on); used only if the recipe names that task. Tasks the recipe does not name are never built.
+    `ranks`: this process's place in a data-parallel run (`distributed.init_world()`; default: one process)."""
+    console = console or Console()
+    ranks = ranks or World()
+    check_model_init(recipe)
+    check_backends(recipe)
+    check_data_parallel(recipe, ranks.world_size)
+    seed_everything(recipe.seed)
+    tasks = make_tasks(recipe, world)
+    evals_plan = eval_plan(recipe, tasks)
+    if ranks.is_main:
+        start, tokenizer = prepare_start(recipe, run_dir, tasks, console, resume=resume, fresh=fresh)
+        if not evals_plan:
+            console.print("[dim]evals: none (the recipe names no `evals`)")
+    ranks.barrier()  # a sync point: rank 0 has prepared the folder and published the base checkpoint
+    if not ranks.is_main:  # rank 0 checked the folder and the inputs; a failure there ends every rank (torchrun)
+        start = run_dir / "checkpoints" / BASE / FINAL
+        tokenizer = load_tokenizer(start)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
-    device = torch.device(recipe.device)
+    device = ranks.device(recipe.device)
 
     t0 = time.perf_counter()
     tc = recipe.telemetry
-    telemetry = Telemetry.open(run_dir, device=device, dtype=torch.bfloat16 if recipe.dtype == "bf16" else torch.float32,
-                               peak_flops=tc.peak_flops, peak_bytes_per_s=tc.peak_bytes_per_s,
-                               measure_cpu=tc.measure_cpu, busy_hz=tc.busy_hz, started=t0,
-                               on_revision=Announcer(lambda line: console.print(f"[yellow]{line}[/yellow]")))
-    sink = JsonlSink(run_dir / "metrics.jsonl")
+    telemetry = Telemetry.disabled()  # ranks other than 0 record no phases (rank 0's timeline is the run's)
+    sink: MetricSink = NullSink()
+    if ranks.is_main:
+        telemetry = Telemetry.open(run_dir, device=device, dtype=torch.bfloat16 if recipe.dtype == "bf16" else torch.float32,
+                                   peak_flops=tc.peak_flops, peak_bytes_per_s=tc.peak_bytes_per_s,
+                                   measure_cpu=tc.measure_cpu, busy_hz=tc.busy_hz, started=t0,
+                                   on_revision=Announcer(lambda line: console.print(f"[yellow]{line}[/yellow]")))
+        sink = JsonlSink(run_dir / "metrics.jsonl")
     evals_path = run_dir / "evals.jsonl"
     dc = recipe.doctor
     doctor = LiveDoctor(every=dc.every, stop_on=Severity(dc.stop_on) if dc.stop_on else None,
@@ -216,7 +269,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
 
     def evaluate(stage: str, checkpoint: Path, steps: int) -> None:
         # Between-stage evals are decode work: each generation batch is an `eval` phase with its cost.
-        if not evals_plan:
+        if not evals_plan or not ranks.is_main:  # rank 0 alone evaluates (the ranks hold the same weights)
             return
         model = load_model(checkpoint, device=device)
         where = str(checkpoint.relative_to(run_dir))
@@ -233,7 +286,8 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
             evaluate(BASE, start, 0)
         for index, stage in enumerate(recipe.stages):
             ctx = RunContext(run_dir=run_dir, recipe=recipe, device=device, tokenizer=tokenizer, tasks=tasks,
-                             telemetry=telemetry, sink=sink, start=start, console=console, t0=t0, doctor=doctor)
+                             telemetry=telemetry, sink=sink, start=start, console=console, t0=t0,
+                             doctor=doctor if ranks.is_main else None, ranks=ranks)
             done = final_checkpoint(ctx.stage_dir(stage.folder))
             if done is not None:
                 console.print(f"[dim]{stage.folder}: done, skipping")
@@ -243,7 +297,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
             # Each stage starts from a known RNG state, so a stage re-run after a kill (before its first
             # checkpoint) sees what the uninterrupted run saw; a resumed stage restores its saved state.
             seed_everything(recipe.seed + 1000 * (index + 1))
-            logged = [r for r in load_streams(run_dir).stages if r.name == stage.folder]  # a resumed stage's history
+            logged = [r for r in load_streams(run_dir).stages if r.name == stage.folder] if ranks.is_main else []
             doctor.begin(stage.folder, stage.stage, stage.model_dump(mode="json"), logged[0].records if logged else None)
             try:
                 result = STAGES[stage.stage](stage, ctx)
@@ -255,7 +309,8 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
             start = result.checkpoint
             evaluate(stage.folder, start, stage.steps)
             try:
-                doctor.check_run([f for rule in RUN_RULES for f in rule(load_streams(run_dir)) if f.stage == stage.folder])
+                if ranks.is_main:
+                    doctor.check_run([f for rule in RUN_RULES for f in rule(load_streams(run_dir)) if f.stage == stage.folder])
             except DoctorStop as stop:
                 stopped = stop_record(stop, run_dir, start)
                 raise
@@ -264,10 +319,11 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
         telemetry.close()
         tasks.close()
         try:  # every run ends with doctor.json, a stopped or crashed one too (its streams are the evidence)
-            write_doctor_json(run_dir, cost=doctor.cost_json(), stopped=stopped or {}, live=list(doctor.seen.values()))
+            if ranks.is_main:
+                write_doctor_json(run_dir, cost=doctor.cost_json(), stopped=stopped or {}, live=list(doctor.seen.values()))
         except Exception as e:  # never mask the run's own outcome
             console.print(f"[yellow]doctor: could not write doctor.json: {type(e).__name__}: {e}")
-    return read_evals(evals_path)
+    return read_evals(evals_path) if ranks.is_main else []
 
 
 def read_evals(path: Path) -> list[EvalRecord]:

@@ -72,6 +72,8 @@ class HFEngine:
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams) -> Rollout:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
+        if params.shard is not None:
+            raise ValueError("the hf backend cannot sample a shard of a batch (SamplingParams.shard); use the native backend")
         ids = encode_prompts(prompts, self.tokenizer)
         device = next(self.model.parameters()).device
         prompt_ids, prompt_mask = left_pad(ids, self.pad_id, device)

@@ -13,7 +13,7 @@ Departures from `transformers` `generate` (numbered):
    live, the batch (cache, masks, positions) is compacted to the live rows.
 4. Sampling is one pure function on fp32 logits (`sampling.sample`; its buffer-writing twin
    `sample_into` on the hot path), no logits-processor objects. It draws by inversion, one uniform per
-   row per step, drawn for all rows of all steps up front (`draw_uniforms`), so compaction never
+   row per step, drawn for all rows of all steps up front (`shard_uniforms`), so compaction never
    changes a sample.
 5. Llama-family models run through `FusedDecoder` (fused weight copies in their fastest decode form, complex
    RoPE, fp32 attention over the cache, one pre-allocated `DecodePlan` per batch shape; see
@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 from posttrain.rollout.cpu import FusedDecoder, fused_unsupported_reason
 from posttrain.rollout.kv_cache import KVCache
 from posttrain.rollout.output import Rollout, assemble
-from posttrain.rollout.sampling import SamplingParams, draw_uniforms, sample, sample_into
+from posttrain.rollout.sampling import SamplingParams, sample, sample_into, shard_uniforms
 from posttrain.rollout.text import (
     StopStrings,
     encode_prompts,
@@ -242,7 +242,7 @@ class NativeEngine:
         live = torch.ones(rows, dtype=torch.bool, device=device)  # running rows not yet finished
         completions: list[list[int]] = [[] for _ in range(rows)] if stops.stops else []
         # A uniform for every original row every step: samples do not depend on compaction.
-        uniforms = None if params.greedy else draw_uniforms(budget, rows, gen, device)   # (N, R)
+        uniforms = None if params.greedy else shard_uniforms(budget, rows, gen, device, params.shard)  # (N, R)
         scratch = (torch.empty(rows, dtype=torch.long, device=device),
                    torch.empty(rows, dtype=torch.float32, device=device),
                    torch.empty(rows, dtype=torch.float32, device=device))

@@ -19,7 +19,9 @@ Departures (numbered):
    a 2-core CPU, an inversion step 4.6 ms, and `torch.multinomial` (what `transformers` calls) 64 ms
    (`benchmarks/sampling.py`). The engine draws U for *all* rows every step (`draw_uniforms`, one call
    per `generate`), so a row's tokens do not depend on which other rows are still running (batch
-   compaction cannot change a sample).
+   compaction cannot change a sample). With `shard=(first, total)` it draws them for the whole
+   `total`-row batch and keeps its own rows' columns, so rows split over several calls (data-parallel
+   ranks) sample what one call over all of them would.
 3. Two log-probs per sampled token: `logprobs` under the distribution actually sampled from
    (after temperature and filters; 0 for greedy, a point mass) and `policy_logprobs` under the raw
    model at temperature 1 — the log π_θ(y) that a teacher-forced forward of the same model reproduces
@@ -47,6 +49,10 @@ class SamplingParams:
     max_new_tokens: int = 64        # completion budget per sequence (EOS included)
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings; kept in the text, which ends there
     seed: int | None = None         # None: draw from torch's global generator
+    # (first, total): this call's rows are rows first … of a `total`-row batch drawn with `seed` — it
+    # samples them with the random numbers that batch would have used (a data-parallel rank's share of
+    # a global rollout samples what one process samples; native engine only). None: a batch of its own
+    shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -61,6 +67,8 @@ class SamplingParams:
              isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "an int ≥ 1"),
             ("stop", self.stop, all(isinstance(s, str) and s for s in stop), "non-empty strings"),
             ("seed", self.seed, self.seed is None or isinstance(self.seed, int), "an int or None"),
+            ("shard", self.shard, self.shard is None or (len(self.shard) == 2 and 0 <= self.shard[0] < self.shard[1]),
+             "None or (first, total) with 0 ≤ first < total"),
         ]
         for name, value, ok, expected in checks:
             if not ok:
@@ -102,6 +110,19 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
 def draw_uniforms(steps: int, rows: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
     """U ~ Uniform[0, 1) for each row of each step, one draw for the whole decode. Shape: (steps, rows) fp32."""
     return torch.rand(steps, rows, dtype=torch.float32, device=device, generator=generator)
+
+
+def shard_uniforms(steps: int, rows: int, generator: torch.Generator | None, device: torch.device,
+                   shard: tuple[int, int] | None) -> Tensor:
+    """`draw_uniforms` for `rows` rows — or, with `shard=(first, total)`, the columns first … first + rows
+    of the draw for all `total` rows (what those rows get when one call samples the whole batch).
+    Shape: (steps, rows) fp32."""
+    if shard is None:
+        return draw_uniforms(steps, rows, generator, device)
+    first, total = shard
+    if first + rows > total:
+        raise ValueError(f"SamplingParams.shard={shard}: rows {first} … {first + rows - 1} are not in a batch of {total}")
+    return draw_uniforms(steps, total, generator, device)[:, first : first + rows].contiguous()
 
 
 SMALL_VOCAB = 4096  # vocabularies up to which the draw takes the fewest ops; above, the fewest passes

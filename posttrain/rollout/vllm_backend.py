@@ -111,6 +111,8 @@ class VLLMEngine:
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams) -> Rollout:
         from vllm.inputs import TokensPrompt
 
+        if params.shard is not None:
+            raise ValueError("the vllm backend cannot sample a shard of a batch (SamplingParams.shard); use the native backend")
         ids = encode_prompts(prompts, self.tokenizer)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], self._sampling_params(params),
                                  use_tqdm=False)

@@ -283,10 +283,15 @@ def _state_bytes(obj: Any, seen: set[tuple[int, int]] | None = None) -> int:
     return 0
 
 
+def checkpoint_name(step: int, final: bool) -> str:
+    """The folder a stage's checkpoint of `step` is published as: `step-NNNNNN`, or `final`."""
+    return FINAL if final else f"step-{step:06d}"
+
+
 def save_checkpoint(stage_dir: Path, model, tokenizer, state: dict[str, Any], *, keep_last: int, final: bool = False) -> Path:
     """Publish `step-NNNNNN/` (or `final/`) with weights, tokenizer and `state`; prune old step folders."""
     step = int(state["step"])
-    name = FINAL if final else f"step-{step:06d}"
+    name = checkpoint_name(step, final)
 
     def write(tmp: Path) -> None:
         save_model(model, tokenizer, tmp)

@@ -1,5 +1,6 @@
 """What every stage shares and none should build for itself: the run's directory, device, tokenizer,
-the recipe's tasks (built on first use), telemetry, metric sink, and the checkpoint the stage starts from."""
+the recipe's tasks (built on first use), telemetry, metric sink, the checkpoint the stage starts from,
+and the data-parallel ranks it runs on."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import PreTrainedTokenizerBase
 
+from posttrain.distributed import World
 from posttrain.doctor import LiveDoctor
 from posttrain.models import load_model
 from posttrain.runtime.config import EvalSpec, Recipe
@@ -71,6 +73,9 @@ class RunContext:
     console: Console = field(default_factory=Console)
     t0: float = field(default_factory=time.perf_counter)
     doctor: LiveDoctor | None = None  # sees every record after the sink; may raise DoctorStop
+    # the data-parallel ranks (docs/distributed.md); on ranks other than 0 the sink, telemetry and doctor
+    # are null ones: only rank 0 writes the run folder
+    ranks: World = field(default_factory=World)
 
     def stage_dir(self, folder: str) -> Path:
         return self.run_dir / "checkpoints" / folder

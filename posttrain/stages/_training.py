@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from posttrain.distributed import DistributedError, check_replicas_agree
 from posttrain.models import lora
-from posttrain.runtime.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
+from posttrain.runtime.checkpoint import checkpoint_name, latest_checkpoint, load_state, save_checkpoint, set_rng_state
 from posttrain.runtime.config import OptimConfig, TrainStage
 from posttrain.runtime.context import RunContext
 
@@ -140,14 +141,22 @@ class Trainer:
 
 
 def start_or_resume(ctx: RunContext, cfg: TrainStage,
-                    load: Callable[[Path, bool], PreTrainedModel] | None = None, *, heads: tuple[str, ...] = ()) -> Trainer:
+                    load: Callable[[Path, bool], PreTrainedModel] | None = None, *, heads: tuple[str, ...] = (),
+                    data_parallel: bool = False) -> Trainer:
     """Load the stage's start checkpoint — or its newest resumable one, restoring the whole state.
+
+    data_parallel: the stage shards its batches over `ctx.ranks` and sums its gradients over them
+    (docs/distributed.md); a stage that does not say so refuses to run on more than one rank, rather
+    than train N unsynchronized copies. Every rank loads the same checkpoint.
 
     load(path, resuming): the model at `path` (default: `ctx.load_model`); a stage whose model is not
     a causal LM (the reward model's scalar head) passes its own.
     With `model.lora` in the recipe the start checkpoint's weights (merged, if it is itself a LoRA
     checkpoint) are the frozen base and the stage trains a fresh adapter on them — or, on resume, the
     saved one; `heads` (e.g. ("score",)) train in full beside it (docs/lora.md)."""
+    if ctx.ranks.world_size > 1 and not data_parallel:
+        raise DistributedError(f"{cfg.folder}: the {cfg.stage} stage does not run data-parallel yet "  # type: ignore[attr-defined]
+                               f"({ctx.ranks.world_size} ranks); run it in one process")
     resume_from = latest_checkpoint(ctx.stage_dir(cfg.folder))
     loader = load or (lambda path, _: ctx.load_model(path))
     spec = ctx.recipe.model.lora
@@ -228,15 +237,23 @@ def reference_policy(ctx: RunContext, policy: torch.nn.Module) -> ReferencePolic
 
 
 def save(ctx: RunContext, cfg: TrainStage, t: Trainer, *, data_state: dict[str, Any] | None, final: bool = False) -> Path:
-    state = {
-        "stage": cfg.folder,
-        "step": t.step,
-        "optimizer": t.optimizer.state_dict(),
-        "scheduler": t.scheduler.state_dict(),
-        "data": data_state,
-        "guard": t.guard.state_dict(),
-    }
-    return save_checkpoint(ctx.stage_dir(cfg.folder), t.model, ctx.tokenizer, state, keep_last=cfg.keep_last, final=final)
+    """Publish the stage's checkpoint of step `t.step` (or its `final`). Data-parallel: the ranks' weights
+    are checked equal first, rank 0 alone writes (every rank holds the same state), and every rank
+    returns once it is published — the next stage's ranks all load `final`."""
+    check_replicas_agree(ctx.ranks, t.model, f"{cfg.folder} step {t.step}")
+    path = ctx.stage_dir(cfg.folder) / checkpoint_name(t.step, final)
+    if ctx.ranks.is_main:
+        state = {
+            "stage": cfg.folder,
+            "step": t.step,
+            "optimizer": t.optimizer.state_dict(),
+            "scheduler": t.scheduler.state_dict(),
+            "data": data_state,
+            "guard": t.guard.state_dict(),
+        }
+        path = save_checkpoint(ctx.stage_dir(cfg.folder), t.model, ctx.tokenizer, state, keep_last=cfg.keep_last, final=final)
+    ctx.ranks.barrier()  # a sync point: the checkpoint is published for every rank
+    return path
 
 
 def optimizer_step(t: Trainer, cfg: OptimConfig, losses: dict[str, float] | None = None) -> float:

@@ -34,6 +34,11 @@ Departures (numbered):
 6. With `env`, a sample is a multi-turn episode (`_episodes.py`, docs/envs.md): advantages over whole
    episodes, the first prompt as the prompt and everything after it as the completion, in the loss
    and the KL only where the model wrote it.
+7. Data-parallel (docs/distributed.md): every rank draws the same prompts, generates and scores the
+   groups of its contiguous share of them (sampling the random numbers one process would draw for
+   those rows, `SamplingParams.shard`), computes advantages within its groups (a group never spans
+   ranks), normalizes the loss by the token and sequence counts of every rank's rows, and the
+   gradients are summed over the ranks. Not yet with dynamic sampling, `env` or a non-native backend.
 """
 
 from __future__ import annotations
@@ -48,23 +53,24 @@ import torch
 from torch import Tensor
 
 from posttrain.data import EpochSampler, Problem
+from posttrain.distributed import DistributedError, World, all_reduce_gradients, shard_range
 from posttrain.envs import Episode, EpisodeEnd, EnvironmentFactory, pad_episodes
 from posttrain.losses import (
     AGGREGATIONS,
     Aggregation,
+    LossNormalizer,
     PolicyStats,
     dr_grpo_advantages,
     entropy_from_logits,
     grpo_advantages,
     kl_k3,
-    loss_normalizer,
     ppo_clip_loss,
     token_logprobs,
 )
 from posttrain.losses._enum import StrEnum
 from posttrain.runtime.config import GRPOStage
 from posttrain.runtime.context import RunContext, StageResult, eval_plan
-from posttrain.rewards import WeightedVerifier
+from posttrain.rewards import CombinedRewards, WeightedVerifier
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams
 from posttrain.rollout.text import positions_from_mask
 from posttrain.stages._episodes import build_env, collect_episode_groups
@@ -138,6 +144,14 @@ class GroupBatch:
         return GroupBatch(self.input_ids[sl], self.attention_mask[sl], self.position_ids[sl], self.mask[sl],
                           self.old_logprobs[sl], self.advantages[sl], self.prompt_len)
 
+    @staticmethod
+    def empty() -> GroupBatch:
+        """No rows: a data-parallel rank none of whose groups is usable this step still takes part in the
+        update's collectives (with zero gradients)."""
+        return GroupBatch(torch.zeros((0, 2), dtype=torch.long), torch.zeros((0, 2), dtype=torch.bool),
+                          torch.zeros((0, 2), dtype=torch.long), torch.zeros((0, 1), dtype=torch.bool),
+                          torch.zeros((0, 1)), torch.zeros(0), prompt_len=1)
+
 
 def build_batch(pieces: list[tuple[Rollout, list[int], Tensor]], pad_id: int, *, mask_truncated: bool) -> GroupBatch:
     """Concatenate the kept rows of several rollouts (each (rollout, rows, advantages (len(rows),)))."""
@@ -196,6 +210,7 @@ def collect_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verif
     Phases `generate` and `score`. Without dynamic sampling, one round, every judged group kept
     (zero-variance groups have advantage 0 and only count in the normalizers)."""
     g, want = cfg.group_size, cfg.batch_size // cfg.group_size
+    ranks = ctx.ranks
     pieces: list[tuple[Rollout, list[int], Tensor]] = []
     kept = generated = zero_var = unjudged = 0
     m: dict[str, float] = {}
@@ -205,9 +220,12 @@ def collect_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verif
             break
         keep_rate = kept / generated if generated else 1.0
         n_draw = need if rnd == 0 else min(want, math.ceil(need / max(keep_rate, 1 / want)))
-        idx = [sampler.next_batch()[0] for _ in range(n_draw)]
+        drawn = [sampler.next_batch()[0] for _ in range(n_draw)]  # every rank draws the same prompts
+        mine = shard_range(len(drawn), ranks)  # this rank's share of them (all of them in one process)
+        idx = [drawn[i] for i in mine]
         params = SamplingParams(n=g, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                                seed=ctx.recipe.seed * 1_000_003 + step * 101 + rnd)
+                                seed=ctx.recipe.seed * 1_000_003 + step * 101 + rnd,
+                                shard=None if ranks.world_size == 1 else (mine.start * g, len(drawn) * g))
         with ctx.phase("generate", stage=cfg.folder, step=step) as p:
             ro = engine.generate([prompts[i] for i in idx], params)
             p.cost = engine.decode_cost(batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
@@ -226,16 +244,31 @@ def collect_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verif
         zero_var += int((judged & ~varied).sum())
         unjudged += int(missing.sum())
         if rnd == 0:  # the first round is an unfiltered sample of the policy: its reward metrics
-            m.update(rewards.metrics())
-            lengths = ro.completion_lengths.float()
-            m.update({"reward/pass_rate": sum(passed(rewards, verifiers[0].name, cfg.pass_threshold)) / len(ro),
-                      "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-                      "response/clipped_ratio": sum(r == "length" for r in ro.finish_reason) / len(ro)})
+            m.update(rollout_metrics(ranks, rewards, ro, passed(rewards, verifiers[0].name, cfg.pass_threshold)))
+    if ranks.world_size > 1:  # one round (no dynamic sampling): the counts of every rank's groups
+        c = ranks.sum({"zero_var": zero_var, "unjudged": unjudged, "generated": generated, "kept": kept})
+        zero_var, unjudged, generated, kept = (int(c[k]) for k in ("zero_var", "unjudged", "generated", "kept"))
     m.update({"groups/zero_variance_frac": zero_var / generated, "groups/unjudged": float(unjudged),
               "dynamic/rounds": float(rnd + 1), "dynamic/generated_groups": float(generated),
               "dynamic/kept_groups": float(kept), "dynamic/short_groups": float(want - kept),
               "dynamic/waste_frac": 1 - kept / generated})
     return Collected(pieces, m)
+
+
+def rollout_metrics(ranks: World, rewards: CombinedRewards, ro: Rollout, passes: list[bool]) -> dict[str, float]:
+    """Reward and response metrics of one generation round — of every rank's rows: counts summed, the
+    longest response the longest anywhere, means weighted by the rows (or judged rows) they average."""
+    lengths = ro.completion_lengths.float()
+    rows = len(ro)
+    means = {"reward/pass_rate": sum(passes) / rows, "response/length_mean": float(lengths.mean()),
+             "response/clipped_ratio": sum(r == "length" for r in ro.finish_reason) / rows}
+    weights = dict.fromkeys(means, float(rows))
+    counts = rewards.metrics()  # reward/total and reward/<name> are means over judged rows, the rest counts
+    weights["reward/total"] = float(rows - rewards.skipped)
+    weights.update({f"reward/{name}": float(stats.scored) for name, stats in rewards.stats.items()})
+    means.update({k: counts.pop(k, 0.0) for k in weights if k.startswith("reward/") and k != "reward/pass_rate"})
+    return {**ranks.sum(counts), **ranks.mean(means, weights),
+            **ranks.max({"response/length_max": float(lengths.max())})}
 
 
 def collect(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verifiers: list[WeightedVerifier],
@@ -253,16 +286,30 @@ def collect(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verifiers: l
 
 
 # ---- one update ----------------------------------------------------------------------------------
+def batch_normalizer(ranks: World, mask: Tensor, *, constant_length: float) -> LossNormalizer:
+    """`losses.loss_normalizer` of the whole optimizer batch: the counts of every rank's rows. Shape: mask
+    (R, N) of this rank's rows (R may be 0)."""
+    c = ranks.sum({"tokens": float(mask.sum()), "rows": float(mask.shape[0])})  # a sync point
+    if c["tokens"] == 0:
+        raise ValueError(f"loss_normalizer: the batch's masks ({int(c['rows'])} rows) have no tokens; nothing to train on")
+    return LossNormalizer(num_tokens=c["tokens"], num_sequences=c["rows"], constant_length=float(constant_length))
+
+
+def micro_rows(cfg: GRPOStage, ranks: World, rows: int) -> int:
+    """Rows per micro-batch of this rank's `rows`: `grad_accum` micro-batches over all ranks."""
+    return max(1, math.ceil(rows / math.ceil(cfg.grad_accum / ranks.world_size)))
+
+
 def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps: Tensor | None, variant: LossVariant,
            clip: tuple[float, float], pad_id: int = 0) -> dict[str, float]:
     """One optimizer step over the whole batch in `grad_accum` micro-batches; exact accumulation
-    (normalizers counted over the whole batch first)."""
-    norm = loss_normalizer(b.mask, constant_length=cfg.max_new_tokens)
+    (normalizers counted over the whole batch — every rank's rows — first)."""
+    norm = batch_normalizer(ctx.ranks, b.mask, constant_length=cfg.max_new_tokens)
     aggregate = AGGREGATIONS[variant.aggregation]
-    micro = math.ceil(len(b) / cfg.grad_accum)
+    micro = micro_rows(cfg, ctx.ranks, len(b))
     sums = {"loss/policy": 0.0, "kl": 0.0, "entropy": 0.0, "clip/low": 0.0, "clip/high": 0.0, "clip/approx_kl": 0.0}
     ratio_max = 0.0
-    tokens = float(b.mask.sum())
+    tokens = norm.num_tokens
     for i in range(0, len(b), micro):
         mb, sl = b.rows(slice(i, i + micro)), slice(i, i + micro)
         with ctx.autocast():
@@ -284,6 +331,9 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
         sums["clip/high"] += f["clip_frac_high"] * share
         sums["clip/approx_kl"] += f["approx_kl"] * share
         ratio_max = max(ratio_max, f["ratio_max"])
+    all_reduce_gradients(ctx.ranks, t.model)  # the step's gradient: every rank's rows (a sync point)
+    sums = ctx.ranks.sum(sums)  # each is this rank's part of the whole batch's value
+    ratio_max = ctx.ranks.max({"ratio_max": ratio_max})["ratio_max"]
     grad_norm = optimizer_step(t, cfg.optim, {"loss/policy": sums["loss/policy"]})
     return {**sums, **t.guard.metrics(), "clip/ratio_max": ratio_max, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0]}
 
@@ -295,7 +345,7 @@ def reference_logprobs(ref_model: torch.nn.Module, b: GroupBatch, micro: int, *,
     out = [token_logprobs(completion_logits(ref_model, b.rows(slice(i, i + micro)), share_prompt=share_prompt,
                                             pad_id=pad_id).float(),
                           b.input_ids[i : i + micro, b.prompt_len :]) for i in range(0, len(b), micro)]
-    return torch.cat(out)
+    return torch.cat(out) if out else torch.zeros(b.mask.shape)  # no rows: a data-parallel rank with none
 
 
 def greedy_eval(ctx: RunContext, model: torch.nn.Module, n: int) -> dict[str, float]:
@@ -311,8 +361,25 @@ def greedy_eval(ctx: RunContext, model: torch.nn.Module, n: int) -> dict[str, fl
 
 
 # ---- the stage -----------------------------------------------------------------------------------
+def data_parallel_problem(cfg: GRPOStage, world_size: int) -> str | None:
+    """Why this stage cannot run on `world_size` ranks, or None."""
+    if world_size == 1:
+        return None
+    prompts = cfg.batch_size // cfg.group_size
+    not_yet = [what for what, on in (("dynamic_sampling", cfg.dynamic_sampling), ("env", cfg.env is not None),
+                                     (f"backend {cfg.backend!r}", cfg.backend != "native")) if on]
+    if not_yet:
+        return f"{cfg.folder}: {' and '.join(not_yet)} cannot run data-parallel yet ({world_size} ranks); run it in one process"
+    if prompts % world_size:
+        return (f"{cfg.folder}: {prompts} prompts per rollout (batch_size {cfg.batch_size} / group_size {cfg.group_size}) "
+                f"do not split over {world_size} ranks; make them a multiple of {world_size}")
+    return None
+
+
 def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
+    if problem := data_parallel_problem(cfg, ctx.ranks.world_size):
+        raise DistributedError(problem)
     tok, stage = ctx.tokenizer, cfg.folder
     variant = VARIANTS[GRPOLoss(cfg.loss)]
     clip = (cfg.clip_low or variant.clip_low, cfg.clip_high or variant.clip_high)
@@ -320,7 +387,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
     env = build_env(cfg.env) if cfg.env is not None else None  # episodes: the environment renders the prompts
     prompts = encode_problems(problems, tok, cfg.max_prompt_len) if env is None else []
     verifiers = build_rewards(cfg.rewards)
-    t = start_or_resume(ctx, cfg)
+    t = start_or_resume(ctx, cfg, data_parallel=True)
     sampler = EpochSampler(len(problems), 1, seed=ctx.recipe.seed)
     if t.data_state is not None:
         sampler.load_state_dict(t.data_state)
@@ -333,7 +400,9 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
         f"(≤ {cfg.batch_size * cfg.max_new_tokens:,} completion tokens) per rollout, μ={cfg.mu} optimizer steps each; "
         f"{cfg.steps // cfg.mu} rollouts; T={cfg.temperature}; KL coef {cfg.kl_coef}; "
         f"dynamic sampling {f'on, ≤ {cfg.max_rounds} rounds' if cfg.dynamic_sampling else 'off'}; "
-        f"rewards {', '.join(f'{r.name}×{r.weight:g}' for r in cfg.rewards)}"
+        + (f"{ctx.ranks.world_size} ranks × {prompts_per_step // ctx.ranks.world_size} prompts each; "
+           if ctx.ranks.world_size > 1 else "")
+        + f"rewards {', '.join(f'{r.name}×{r.weight:g}' for r in cfg.rewards)}"
         + (f"; episodes in env {cfg.env.name!r} (≤ {cfg.env.max_turns} turns of ≤ {cfg.max_new_tokens} tokens, "
            f"≤ {cfg.env.max_tokens} tokens each)" if cfg.env is not None else ""))
 
@@ -347,6 +416,9 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                 t0 = time.perf_counter()
                 b, got = collect(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler, step, env)
                 metrics = dict(got)
+                rows = ctx.ranks.sum({"rows": 0 if b is None else len(b)})["rows"]  # every rank's usable rows
+                if b is None and rows > 0:  # data-parallel: other ranks have rows, this one joins with none
+                    b = GroupBatch.empty()
                 if b is None:  # nothing to learn from: no optimizer step, the schedule moves on
                     for _ in range(cfg.mu):
                         next_step(t)
@@ -356,7 +428,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                     # or with share_prompt one P + G·(N − 1) row per group
                     shape = ((math.ceil(len(b) / cfg.group_size), b.prompt_len + cfg.group_size * slot_width(n))
                              if cfg.share_prompt else (len(b), b.prompt_len + n - 1))
-                    micro = math.ceil(len(b) / cfg.grad_accum)
+                    micro = micro_rows(cfg, ctx.ranks, len(b))
                     ref_logps = None
                     if ref is not None:
                         with ctx.phase("reference", stage=stage, step=step,
@@ -377,7 +449,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                             weights=t.model, optimizer=t.optimizer, engine=engine,
                             reference=ref.model if ref is not None and not ref.shared else None))
                 metrics["train/seconds_per_rollout"] = time.perf_counter() - t0
-                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                if cfg.eval_every and ctx.ranks.is_main and (step % cfg.eval_every == 0 or step == cfg.steps):
                     with ctx.phase("eval", stage=stage, step=step):
                         metrics.update(greedy_eval(ctx, t.model, cfg.eval_problems))
                 if (step // cfg.mu) % cfg.log_every == 0 or step == cfg.steps or any(k.startswith("eval/") for k in metrics):

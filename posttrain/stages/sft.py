@@ -3,16 +3,23 @@
 The loss is normalized by the response tokens of the whole optimizer step (not per micro-batch), so
 `grad_accum` changes memory, never the gradient (posttrain.losses.sft). The data position (epoch,
 batch within it) is part of every checkpoint, so resume continues on exactly the next batch.
+
+Data-parallel (docs/distributed.md): every rank draws the same global batch, sorts it by length and
+splits it into the same micro-batches, and runs the ones dealt to it (r, r + W, …); the loss is still
+over the whole step's response tokens, and the gradients are summed over the ranks — the step one
+process takes, up to float round-off.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from posttrain.data import EncodedSFT, EpochSampler, collate_sft, encode_sft_dataset, mix, read_jsonl
 from posttrain.data.records import SFTExample
+from posttrain.distributed import DistributedError, all_reduce_gradients, deal
 from posttrain.losses import sft_loss, token_logprobs
 from posttrain.runtime.config import DataSource, SFTStage, task_names
 from posttrain.runtime.context import RunContext, StageResult
@@ -68,8 +75,25 @@ def heldout_loss(model, encoded: list[EncodedSFT], pad_id: int, batch: int = 64)
     return total / max(1, count)
 
 
+def micro_batches(cfg: SFTStage, world_size: int) -> int:
+    """Micro-batches per optimizer step over all ranks: `grad_accum`, rounded up to a multiple of the
+    world size so that every rank runs as many."""
+    return world_size * math.ceil(cfg.grad_accum / world_size)
+
+
+def data_parallel_problem(cfg: SFTStage, world_size: int) -> str | None:
+    """Why this stage cannot run on `world_size` ranks, or None."""
+    m = micro_batches(cfg, world_size)
+    if cfg.batch_size % m:
+        return (f"{cfg.folder}: batch_size {cfg.batch_size} does not split into {m} micro-batches "
+                f"({world_size} ranks × {m // world_size}); make it a multiple of {m}")
+    return None
+
+
 def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
+    if problem := data_parallel_problem(cfg, ctx.ranks.world_size):
+        raise DistributedError(problem)
     tok = ctx.tokenizer
     truncation = "error" if cfg.truncation == "error" else "right"
     train, n_trunc = encode_sft_dataset(load_sft_examples(ctx, cfg.data), tok, cfg.max_len, truncation=truncation)
@@ -77,16 +101,18 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
         train = [e for e in train if not e.truncated]  # "drop": over-long examples are counted and left out
         ctx.console.print(f"[yellow]sft: dropped {n_trunc} examples longer than max_len={cfg.max_len}")
     val, _ = encode_sft_dataset(heldout_examples(ctx, cfg), tok, cfg.max_len, truncation="right")
-    t = start_or_resume(ctx, cfg)
+    t = start_or_resume(ctx, cfg, data_parallel=True)
     sampler = EpochSampler(len(train), cfg.batch_size, seed=ctx.recipe.seed)
     if t.data_state is not None:
         sampler.load_state_dict(t.data_state)
-    micro = cfg.batch_size // cfg.grad_accum
+    ranks, n_micro = ctx.ranks, micro_batches(cfg, ctx.ranks.world_size)
+    micro = cfg.batch_size // n_micro
     mean_len = sum(len(e.input_ids) for e in train) / len(train)
     ctx.console.print(
         f"sft: {len(train):,} examples (mean {mean_len:.0f} tokens); {cfg.batch_size} sequences "
-        f"(≈{cfg.batch_size * mean_len:,.0f} tokens) per optimizer step in {cfg.grad_accum} micro-batches; "
-        f"{sampler.batches_per_epoch} steps per epoch; {cfg.steps} steps = {cfg.steps / sampler.batches_per_epoch:.2f} epochs"
+        f"(≈{cfg.batch_size * mean_len:,.0f} tokens) per optimizer step in {n_micro} micro-batches"
+        + (f" ({ranks.world_size} ranks × {n_micro // ranks.world_size} of {micro} sequences)" if ranks.world_size > 1 else "")
+        + f"; {sampler.batches_per_epoch} steps per epoch; {cfg.steps} steps = {cfg.steps / sampler.batches_per_epoch:.2f} epochs"
     )
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -102,20 +128,23 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
             num_tokens = sum(sum(1 for y in e.labels[1:] if y != -100) for e in batch)  # whole step's response tokens
             chunks = [batch[i : i + micro] for i in range(0, len(batch), micro)]
             padded = sum(len(c) * len(c[-1].input_ids) for c in chunks)  # tokens the forward passes really run
+            mine = deal(chunks, ranks)  # this rank's micro-batches (all of them in one process)
             step_cost = sum((costs.train_step(t.model.config, batch=len(c), seq_len=len(c[-1].input_ids), optimizer=False)
-                             for c in chunks), costs.adamw(t.model.config))
+                             for c in mine), costs.adamw(t.model.config))
             with ctx.phase("update", stage="sft", step=step, cost=step_cost):
                 total = 0.0
-                for chunk in chunks:
+                for chunk in mine:
                     with ctx.autocast():
                         loss, _ = sft_batch_loss(t.model, chunk, tok.pad_token_id, num_tokens)
                     loss.backward()
                     total += loss.item()
+                all_reduce_gradients(ranks, t.model)  # the step's gradient: every rank's micro-batches (a sync point)
+                total = ranks.sum({"loss/sft": total})["loss/sft"]  # the step's loss, for the guard and the log
                 grad_norm = optimizer_step(t, cfg.optim, {"loss/sft": total})
             metrics = {"loss/sft": total, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0],
                        "train/tokens_per_s": padded / (time.perf_counter() - t0),
                        "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch, **t.guard.metrics()}
-            if val and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps):
+            if val and ranks.is_main and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps):
                 with ctx.phase("eval", stage="sft", step=step):
                     metrics["eval/loss"] = heldout_loss(t.model, val, tok.pad_token_id)
             if step % cfg.log_every == 0 or "eval/loss" in metrics:
