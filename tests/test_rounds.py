@@ -4,16 +4,23 @@
 from __future__ import annotations
 
 import json
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 from pydantic import ValidationError
+from safetensors.torch import load_file
+from typer.testing import CliRunner
 
-from conftest import tiny_recipe_dict
+from conftest import finish_run, metric_rows, start_run, tiny_recipe_dict
+from posttrain.cli import app
 from posttrain.pipeline.run import run_pipeline
+from posttrain.report import write_report
 from posttrain.runtime.config import Recipe, RecipeError, dump_recipe, load_recipe
 from posttrain.runtime.rounds import expand_rounds
+from posttrain.stages import rejection_sampling as rs_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -129,3 +136,127 @@ def test_a_copy_clashing_with_a_plain_stage_names_both(tmp_path):
 def test_a_stage_name_is_a_folder_name():
     with pytest.raises(ValidationError, match="name"):
         Recipe.model_validate({"stages": [{"stage": "pretrain", "name": "../elsewhere"}]})
+
+
+# ---- a tiny 2-round run ------------------------------------------------------------------------
+def two_round_recipe(run_dir: Path) -> dict:
+    """pretrain → SFT → 2 rounds of {rejection sampling → SFT on the kept → DPO on the pairs}, tiny.
+
+    The policy is near-random after 6 steps, so the round scores by a length reward (always judged,
+    different between replies, −len/128) with min_reward −1: the test is about the loop, not the gain."""
+    d = tiny_recipe_dict(threads=1, telemetry={"measure_cpu": False},
+                         evals=[{"task": "arithmetic", "per_level": 2, "levels": ["L1"], "max_new_tokens": 8,
+                                 "batch_size": 8, "probe": False}])
+    d["stages"][0].update(steps=2, save_every=2)
+    d["stages"][1].update(steps=4, save_every=2, heldout=4)
+    files = f"{run_dir}/rounds/{{round}}"
+    d["stages"].append({"rounds": {"repeat": 2, "stages": [
+        {"stage": "rejection_sampling", "data": [{"task": "arithmetic", "n": 24}], "draw": "{round}", "samples": 16,
+         "batch_prompts": 8, "max_new_tokens": 48, "min_reward": -1.0, "pairs": True,
+         "rewards": [{"name": "length", "params": {"max_len": 128, "count": "chars"}}],
+         "output": f"{files}/sft.jsonl", "pairs_output": f"{files}/pairs.jsonl"},
+        {"stage": "sft", "steps": 2, "batch_size": 4, "max_len": 96, "heldout": 0, "save_every": 1, "log_every": 1,
+         "data": [{"path": f"{files}/sft.jsonl"}], "optim": {"lr": 1e-3, "warmup_steps": 1}},
+        {"stage": "dpo", "steps": 2, "batch_size": 4, "max_len": 96, "eval_per_level": 0, "save_every": 1, "log_every": 1,
+         "data": [{"path": f"{files}/pairs.jsonl"}], "optim": {"lr": 1e-4, "warmup_steps": 1}},
+    ]}})
+    return d
+
+
+ROUND_STAGES = [f"r{k}.{s}" for k in (1, 2) for s in ("rejection_sampling", "sft", "dpo")]
+DATA_FILES = [f"rounds/{k}/{f}.jsonl" for k in (1, 2) for f in ("sft", "pairs")]
+
+
+def _weights(run_dir: Path, stage: str) -> dict:
+    return load_file(run_dir / "checkpoints" / stage / "final" / "model.safetensors")
+
+
+def _same_run(a: Path, b: Path) -> None:
+    """The same data files, byte for byte, and the same final weights of every stage, bit for bit."""
+    for f in DATA_FILES:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    for stage in ["pretrain", "sft", *ROUND_STAGES]:
+        wa, wb = _weights(a, stage), _weights(b, stage)
+        assert all(bool((wa[k] == wb[k]).all()) for k in wa), stage
+
+
+@pytest.fixture(scope="module")
+def two_rounds(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("rounds") / "run"
+    run_pipeline(Recipe.model_validate(two_round_recipe(run_dir)), run_dir)
+    return run_dir
+
+
+def test_two_rounds_run_as_ordinary_stages(two_rounds):
+    for stage in ROUND_STAGES:
+        assert (two_rounds / "checkpoints" / stage / "final" / "manifest.json").is_file(), stage
+    metrics = _jsonl(two_rounds / "metrics.jsonl")
+    for stage in ("r1.sft", "r1.dpo", "r2.sft", "r2.dpo"):
+        assert [m["step"] for m in metrics if m["stage"] == stage] == [1, 2], stage
+    assert {m["stage"] for m in metrics if "rs/pairs" in m} == {"r1.rejection_sampling", "r2.rejection_sampling"}
+    # evals after every stage; a copy's rows carry its round, a plain stage's null
+    evals = _jsonl(two_rounds / "evals.jsonl")
+    assert {(e["stage"], e["round"]) for e in evals} == {("pretrain", None), ("sft", None)} | {
+        (s, int(s[1])) for s in ROUND_STAGES}
+    # round 2 samples from round 1's last model: its (unchanged) policy checkpoint is r1.dpo's weights
+    assert _weights(two_rounds, "r2.rejection_sampling").keys() == _weights(two_rounds, "r1.dpo").keys()
+    assert all(bool((v == _weights(two_rounds, "r1.dpo")[k]).all()) for k, v in _weights(two_rounds, "r2.rejection_sampling").items())
+    # each round collected its own data, from other prompts (draw: {round})
+    r1, r2 = (_jsonl(two_rounds / f"rounds/{k}/sft.jsonl") for k in (1, 2))
+    assert r1 and r2 and not {json.dumps(r["messages"][:-1]) for r in r1} & {json.dumps(r["messages"][:-1]) for r in r2}
+    assert all(_jsonl(two_rounds / f"rounds/{k}/pairs.jsonl") for k in (1, 2))
+
+
+def test_report_doctor_and_phases_read_dotted_stage_names(two_rounds):
+    assert json.loads((two_rounds / "doctor.json").read_text())["findings"] is not None
+    html = write_report(two_rounds).read_text()
+    assert all(stage in html for stage in ROUND_STAGES)
+    out = CliRunner().invoke(app, ["phases", str(two_rounds)], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert all(f"stage {stage}:" in out.output for stage in ROUND_STAGES)
+
+
+class Killed(Exception):
+    pass
+
+
+def test_killed_inside_round_2s_collect_resumes_to_the_same_files(two_rounds, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    recipe = Recipe.model_validate(two_round_recipe(run_dir))
+    real = rs_mod.best_and_worst
+
+    def dies_in_round_2(*args, **kw):  # round 2's collect, after it has judged its first prompt
+        if (run_dir / "checkpoints" / "r1.dpo" / "final").is_dir():
+            raise Killed
+        return real(*args, **kw)
+
+    monkeypatch.setattr(rs_mod, "best_and_worst", dies_in_round_2)
+    with pytest.raises(Killed):
+        run_pipeline(recipe, run_dir)
+    monkeypatch.setattr(rs_mod, "best_and_worst", real)
+    assert not (run_dir / "rounds" / "2").exists() and (run_dir / "rounds" / "1" / "pairs.jsonl").is_file()
+    run_pipeline(recipe, run_dir, resume=True)
+    _same_run(run_dir, two_rounds)
+    assert sorted(metric_rows(run_dir)) == sorted(metric_rows(two_rounds))
+
+
+@pytest.mark.slow
+def test_sigkill_inside_round_2s_collect_resumes_to_the_same_files(two_rounds, tmp_path):
+    """A real process killed (SIGKILL) while round 2 collects — after its first generation call's row,
+    before its files are written — and resumed with --resume ends with the data files and weights of
+    the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "rounds.yaml"
+    recipe.write_text(yaml.safe_dump(two_round_recipe(run_dir)))
+
+    proc, deadline = start_run(recipe, run_dir), time.time() + 900
+    while ("r2.rejection_sampling", 1) not in metric_rows(run_dir):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "round 2's collect never started"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "rounds" / "2" / "sft.jsonl").exists()  # killed inside the collect step
+    finish_run(start_run(recipe, run_dir, resume=True))
+    _same_run(run_dir, two_rounds)
+    assert sorted(metric_rows(run_dir)) == sorted(metric_rows(two_rounds))

@@ -218,6 +218,10 @@ class RejectionSamplingStage(StageBase):
     keep: Literal["best", "all_correct"] = Field("best", description="per prompt: the best-scoring sample, or every sample at or above min_reward")
     min_reward: float = Field(0.5, description="a sample is kept only if its summed reward is at least this")
     output: Path | None = Field(None, description="where to write the SFT JSONL (default <run dir>/data/<name>.jsonl)")
+    pairs: bool = Field(False, description="also write preference pairs: per prompt, its best sample (chosen, as `keep: best` picks it) against its lowest-scoring finished one (rejected)")
+    pair_margin: float = Field(0.0, ge=0, description="a pair needs the chosen's summed reward above the rejected's by more than this")
+    pairs_output: Path | None = Field(None, description="where to write the pairs, `preference` schema (default <run dir>/data/<name>.pairs.jsonl)")
+    draw: int = Field(0, ge=0, description="which draw of a task's problems and of the sampling seeds: another draw, other prompts and samples (in a rounds block `draw: \"{round}\"` gives each round fresh prompts)")
 
     @model_validator(mode="after")
     def _scored(self) -> RejectionSamplingStage:
