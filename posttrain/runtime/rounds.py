@@ -86,10 +86,10 @@ def _block(item: dict, where: str) -> tuple[int, list[dict]]:
 
 def _folder(stage: Any) -> str | None:
     """What a stage's checkpoint folder will be called (`name`, else its kind), as the recipe wrote it."""
-    if not isinstance(stage, dict):
-        return None
-    name = stage.get("name")
-    return name if isinstance(name, str) else stage.get("stage") if isinstance(stage.get("stage"), str) else None
+    for key in ("name", "stage"):
+        if isinstance(stage, dict) and isinstance(stage.get(key), str):
+            return stage[key]
+    return None
 
 
 def expand_rounds(raw: dict) -> tuple[dict, list[str]]:
