@@ -167,3 +167,37 @@ def make_reward_model(folder, policy_dir, *, mean: float = 0.0, std: float = 1.0
     rm.save_pretrained(folder)
     RewardNormalization(mean=mean, std=std, n=1, policy=str(policy_dir)).save(folder)
     return folder
+
+
+# ---- a real run in a subprocess, for kill-and-resume tests ----------------------------------------
+def start_run(recipe, out, *, resume: bool = False):
+    """`posttrain run RECIPE --out OUT [--resume]` as a child process (stderr kept for the failure message)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "posttrain.cli", "run", str(recipe), "--out", str(out)] + (["--resume"] if resume else [])
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+
+
+def metric_rows(out) -> list[tuple[str, int]]:
+    """The (stage, step) of every metrics.jsonl row of the run folder `out`, in order."""
+    import json
+    from pathlib import Path
+
+    path = Path(out) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+        rows.append((r["stage"], r["step"]))
+    return rows
+
+
+def finish_run(proc) -> None:
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]

@@ -22,12 +22,10 @@ The default run kills 5 times (one chain, ~3–4 min on 2 loaded cores); the 30-
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,7 +33,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from conftest import tiny_recipe_dict
+from conftest import finish_run as _finish, metric_rows as _rows, start_run as _start, tiny_recipe_dict
 from posttrain.runtime.checkpoint import verify_run
 
 STAGES = ("pretrain", "sft", "dpo", "grpo")
@@ -53,31 +51,6 @@ def four_stage_recipe() -> dict:
          "data": [{"task": "arithmetic", "n": 200}], "levels": ["L1"]},
     ]
     return d
-
-
-def _start(recipe: Path, out: Path, *, resume: bool = False) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "posttrain.cli", "run", str(recipe), "--out", str(out)] + (["--resume"] if resume else [])
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "COLUMNS": "200"})
-
-
-def _rows(out: Path) -> list[tuple[str, int]]:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        rows.append((r["stage"], r["step"]))
-    return rows
-
-
-def _finish(proc: subprocess.Popen) -> None:
-    _, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, err[-3000:]
 
 
 def _finals(out: Path) -> dict[str, dict]:

@@ -17,7 +17,9 @@ from posttrain.runtime.config import (
 )
 from posttrain.runtime.context import RunContext
 from posttrain.stages.rejection_sampling import (
+    best_and_worst,
     output_path,
+    pairs_path,
     produced_paths,
     run_rejection_sampling,
     select,
@@ -81,6 +83,51 @@ def test_rejection_sampling_writes_sft_data_an_sft_stage_reads(tmp_path, policy_
     assert (done.checkpoint / "model.safetensors").is_file()
     assert [r["step"] for r in sink.records if r["stage"] == "sft"] == [1, 2]
 
+
+def test_best_and_worst_pair_by_hand():
+    texts = ["5", "The answer is 5", "4", "44444444", "", "6"]
+    rewards = [1.0, 0.75, 0.0, 0.0, 0.0, None]
+    finish = ["stop", "stop", "stop", "length", "stop", "stop"]
+    # chosen "5" (1.0); rejected "4" (0.0): "44444444" was cut by the budget, "" is empty, "6" unjudged
+    assert best_and_worst(texts, rewards, finish, min_reward=0.9, margin=0.25) == (("5", 1.0), ("4", 0.0))
+    # a tie at the bottom goes to the longer: "4" vs "40" both 0.0 → "40"
+    assert best_and_worst(["5", "4", "40"], [1.0, 0.0, 0.0], ["stop"] * 3, min_reward=0.9, margin=0.0)[1] == ("40", 0.0)
+    # 1.0 − 0.75 = 0.25: a pair above margin 0.2, none at margin 0.25 (the margin must be exceeded)
+    assert best_and_worst(texts[:2], rewards[:2], finish[:2], min_reward=0.9, margin=0.2) == (("5", 1.0), ("The answer is 5", 0.75))
+    assert best_and_worst(texts[:2], rewards[:2], finish[:2], min_reward=0.9, margin=0.25) is None
+    # no chosen: the best (0.75) is under min_reward 0.9
+    assert best_and_worst(texts[1:4], rewards[1:4], finish[1:4], min_reward=0.9, margin=0.0) is None
+    assert best_and_worst(["5"], [1.0], ["stop"], min_reward=0.9, margin=0.0) is None  # one sample: no pair
+
+
+def test_pairs_are_preference_data_and_another_draw_is_other_prompts(tmp_path, policy_dir, tokenizer, world):
+    # an untrained policy ends a turn rarely: many samples, and a length reward (always judged, differs
+    # between replies) so that prompts with two finished samples give pairs
+    def run(draw: int):
+        cfg = RejectionSamplingStage(name=f"d{draw}", samples=16, batch_prompts=16, max_new_tokens=48, min_reward=-1.0,
+                                     rewards=[{"name": "length", "params": {"max_len": 128, "count": "chars"}}],
+                                     pairs=True, draw=draw, data=[{"task": "arithmetic", "n": 16}])
+        sink = ListSink()
+        ctx = RunContext(run_dir=tmp_path, recipe=Recipe(stages=[cfg], threads=1), device=torch.device("cpu"),
+                         tokenizer=tokenizer, tasks=world_tasks(world), telemetry=Telemetry.disabled(), sink=sink,
+                         start=policy_dir)
+        run_rejection_sampling(cfg, ctx)
+        assert produced_paths(ctx.recipe, tmp_path) == {output_path(cfg, tmp_path).resolve(): 0,
+                                                         pairs_path(cfg, tmp_path).resolve(): 0}
+        assert pairs_path(cfg, tmp_path) == tmp_path / "data" / f"d{draw}.pairs.jsonl"
+        pairs = read_jsonl(pairs_path(cfg, tmp_path), "preference").records
+        prompts = {json.dumps(r.messages[:-1], default=vars) for r in read_jsonl(output_path(cfg, tmp_path), "sft").records}
+        return pairs, prompts, sink.records[-1]
+
+    pairs, prompts, summary = run(0)
+    assert len(pairs) == summary["rs/pairs"] > 0
+    assert summary["rs/pairs"] + summary["rs/prompts_without_pair"] == 16
+    for p in pairs:  # the length reward is −len/128: the chosen is the shorter reply
+        assert p.meta["chosen_reward"] > p.meta["rejected_reward"] and len(p.chosen) < len(p.rejected)
+    again, _, _ = run(0)
+    assert [(p.prompt, p.chosen, p.rejected) for p in again] == [(p.prompt, p.chosen, p.rejected) for p in pairs]
+    _, other, _ = run(1)
+    assert prompts and other and not prompts & other  # draw 1: other prompts (16 of the world's many)
 
 # ---- pass@k evals ------------------------------------------------------------------------------
 class _FakeRollout:

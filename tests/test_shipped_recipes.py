@@ -1,6 +1,6 @@
 """Every shipped recipe runs end to end, shrunk to a few steps per stage: the recipe's own stages, data
 sources, hand-offs (r1's rejection-sampling file, instructgpt's reward model, rlvr-arithmetic's start
-checkpoint) and evals — only sizes change. A recipe whose syntax or hand-off rots fails here, in the
+checkpoint, llama3's rounds) and evals — only sizes change (and llama3's collect scoring, see below). A recipe whose syntax or hand-off rots fails here, in the
 default run, not in a user's first minute. The full-size runs are measured in the issue notes."""
 
 from __future__ import annotations
@@ -28,30 +28,42 @@ SMALL: dict[str, int] = {
 }
 
 
+def shrink_stage(at: str, st: dict[str, Any]) -> list[str]:
+    """Overrides that cut the stage written at key path `at` (`stages.3`) to a few steps and examples."""
+    out = []
+    group = st.get("group_size")
+    for key, value in SMALL.items():
+        if key == "batch_size" and group:
+            out.append(f"{at}.batch_size={2 * group}")  # two prompts' groups
+        elif key == "warmup_steps" and "optim" in st:
+            out.append(f"{at}.optim.warmup_steps=1")
+        elif key in st:
+            out.append(f"{at}.{key}={value}")
+    if st.get("stage") == "rejection_sampling":
+        # A few steps of training solve nothing, so nothing would reach the recipe's bar and the stage
+        # rightly refuses to write an empty file; keep every sample so the hand-off itself is exercised.
+        out.append(f"{at}.min_reward=-1e9")
+    for j, src in enumerate(st.get("data", [])):
+        if "n" in src:
+            out.append(f"{at}.data.{j}.n=64")
+    for j, src in enumerate(st.get("rankings", [])):
+        if "n" in src:
+            out.append(f"{at}.rankings.{j}.n=16")
+    return out
+
+
 def shrink(raw: dict[str, Any]) -> list[str]:
-    """Overrides (`key=value`) that cut every stage and eval of a recipe to a few steps and examples."""
+    """Overrides (`key=value`) that cut every stage and eval of a recipe to a few steps and examples;
+    a rounds block keeps its `repeat`, the stages inside it are cut."""
     out = ["telemetry.measure_cpu=false", "threads=1"]
     for i, ev in enumerate(raw.get("evals", [])):
         out += [f"evals.{i}.per_level=2", f"evals.{i}.max_new_tokens=8"]
     for i, st in enumerate(raw["stages"]):
-        group = st.get("group_size")
-        for key, value in SMALL.items():
-            if key == "batch_size" and group:
-                out.append(f"stages.{i}.batch_size={2 * group}")  # two prompts' groups
-            elif key == "warmup_steps" and "optim" in st:
-                out.append(f"stages.{i}.optim.warmup_steps=1")
-            elif key in st:
-                out.append(f"stages.{i}.{key}={value}")
-        if st.get("stage") == "rejection_sampling":
-            # A few steps of training solve nothing, so nothing would reach the recipe's bar and the stage
-            # rightly refuses to write an empty file; keep every sample so the hand-off itself is exercised.
-            out.append(f"stages.{i}.min_reward=-1e9")
-        for j, src in enumerate(st.get("data", [])):
-            if "n" in src:
-                out.append(f"stages.{i}.data.{j}.n=64")
-        for j, src in enumerate(st.get("rankings", [])):
-            if "n" in src:
-                out.append(f"stages.{i}.rankings.{j}.n=16")
+        if "rounds" in st:
+            for j, inner in enumerate(st["rounds"]["stages"]):
+                out += shrink_stage(f"stages.{i}.rounds.stages.{j}", inner)
+        else:
+            out += shrink_stage(f"stages.{i}", st)
     return out
 
 
@@ -76,7 +88,7 @@ def check(run_dir: Path, stages: list[str]) -> None:
 
 
 def test_every_shipped_recipe_validates_and_names_its_command():
-    assert set(SHIPPED) >= {"quickstart", "instructgpt", "r1", "r1-zero", "rlvr-arithmetic"}
+    assert set(SHIPPED) >= {"quickstart", "instructgpt", "r1", "r1-zero", "rlvr-arithmetic", "llama3"}
     for name in SHIPPED + ["smollm2-own-data"]:
         path = RECIPES / f"{name}.yaml"
         load_recipe(path)
@@ -103,12 +115,29 @@ def test_rlvr_arithmetic_from_the_demo_sft(quickstart_run, tmp_path, monkeypatch
     check(run_dir, ["grpo"])
 
 
+# llama3's rounds collect with the gold judge at min_reward 0.9, which a policy trained 4 steps never
+# reaches (and it rarely ends a turn in 8 tokens): shrunk, each round's collect scores by length
+# (always judged, different between replies) with min_reward −1 and 8 samples of up to 32 tokens, so
+# its SFT rows and best-vs-worst pairs exist and the loop's hand-offs run.
+LLAMA3_COLLECT = "stages.2.rounds.stages.0"
+LLAMA3_SHRUNK = [f"{LLAMA3_COLLECT}.min_reward=-1", f"{LLAMA3_COLLECT}.pair_margin=0", f"{LLAMA3_COLLECT}.samples=8",
+                 f"{LLAMA3_COLLECT}.max_new_tokens=32",
+                 f"{LLAMA3_COLLECT}.rewards=[{{name: length, params: {{max_len: 128, count: chars}}}}]"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name, stages", [
-    ("r1-zero", ["pretrain", "grpo"]),
-    ("instructgpt", ["pretrain", "sft", "reward_model", "ppo"]),
-    ("r1", ["pretrain", "sft", "grpo", "rejection_sampling", "sft_rs", "grpo2"]),
+@pytest.mark.parametrize("name, stages, extra", [
+    ("r1-zero", ["pretrain", "grpo"], []),
+    ("instructgpt", ["pretrain", "sft", "reward_model", "ppo"], []),
+    ("r1", ["pretrain", "sft", "grpo", "rejection_sampling", "sft_rs", "grpo2"], []),
+    ("llama3", ["pretrain", "sft"] + [f"r{k}.{s}" for k in (1, 2, 3) for s in ("rejection_sampling", "sft", "dpo")],
+     LLAMA3_SHRUNK),
 ])
-def test_shipped_recipe_runs_end_to_end(name, stages, tmp_path, monkeypatch):
+def test_shipped_recipe_runs_end_to_end(name, stages, extra, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    check(run_shrunk(name, tmp_path), stages)
+    run_dir = run_shrunk(name, tmp_path, extra)
+    check(run_dir, stages)
+    if name == "llama3":  # each round's data under runs/llama3/rounds/<k>/, its eval rows carry the round
+        assert all((run_dir / "rounds" / str(k) / f).is_file() for k in (1, 2, 3) for f in ("sft.jsonl", "pairs.jsonl"))
+        evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+        assert {(e["stage"], e["round"]) for e in evals} >= {("sft", None), ("r3.dpo", 3)}

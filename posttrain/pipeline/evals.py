@@ -25,12 +25,13 @@ def renamed(records: list[EvalRecord], task: Task, name: str | None) -> list[Eva
 
 
 def run_evals(plan: list[tuple[EvalSpec, Task, EvalRequest]], model: Any, tok: Any, *, stage: str, checkpoint: str,
-              phase: PhaseFn | None = None) -> list[EvalRecord]:
-    """Every eval of the plan on one checkpoint, in the recipe's order."""
+              phase: PhaseFn | None = None, round_k: int | None = None) -> list[EvalRecord]:
+    """Every eval of the plan on one checkpoint, in the recipe's order; `round_k`: the stage's round
+    (rows carry it as `round`), None outside rounds."""
     out: list[EvalRecord] = []
     for spec, task, request in plan:
         out += renamed(task.evaluate(model, tok, request, stage=stage, checkpoint=checkpoint, phase=phase), task, spec.name)
-    return out
+    return out if round_k is None else [replace(r, round=round_k) for r in out]
 
 
 def as_json(records: list[EvalRecord]) -> list[dict]:

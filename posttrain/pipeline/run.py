@@ -267,14 +267,14 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
                         say=lambda text: console.print(text, style="yellow", highlight=False, markup=False, soft_wrap=True))
     stopped: dict | None = None
 
-    def evaluate(stage: str, checkpoint: Path, steps: int) -> None:
+    def evaluate(stage: str, checkpoint: Path, steps: int, round_k: int | None = None) -> None:
         # Between-stage evals are decode work: each generation batch is an `eval` phase with its cost.
         if not evals_plan or not ranks.is_main:  # rank 0 alone evaluates (the ranks hold the same weights)
             return
         model = load_model(checkpoint, device=device)
         where = str(checkpoint.relative_to(run_dir))
         stage_records = run_evals(evals_plan, model, tokenizer, stage=stage, checkpoint=where,
-                                  phase=lambda: telemetry.phase("eval", stage=stage, step=steps))
+                                  phase=lambda: telemetry.phase("eval", stage=stage, step=steps), round_k=round_k)
         with evals_path.open("a") as f:
             for r in as_json(stage_records):
                 f.write(json.dumps(r) + "\n")
@@ -307,7 +307,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
             finally:
                 doctor.end()
             start = result.checkpoint
-            evaluate(stage.folder, start, stage.steps)
+            evaluate(stage.folder, start, stage.steps, stage.round)
             try:
                 if ranks.is_main:
                     doctor.check_run([f for rule in RUN_RULES for f in rule(load_streams(run_dir)) if f.stage == stage.folder])

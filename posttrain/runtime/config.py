@@ -14,6 +14,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from posttrain.rewards.registry import VerifierName
+from posttrain.runtime.rounds import RoundsError, expand_rounds
+
+# A stage name is a folder name under checkpoints/ and a key in every stream: letters, digits, `_`, `-`
+# and `.` (a rounds copy is `r2.sft`), not starting with `.` or `-`.
+STAGE_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"
 
 
 class RecipeError(ValueError):
@@ -95,10 +100,21 @@ class OptimConfig(Strict):
     max_nonfinite_skips: int = Field(3, ge=1, description="optimizer steps in a row skipped for a NaN/inf loss or gradient norm before the stage stops")
 
 
-class TrainStage(Strict):
+class StageBase(Strict):
+    """Fields every stage has: its name (the checkpoint folder, and the `stage` of its metrics, phases
+    and evals rows) and, for a copy made by a rounds block, its round."""
+
+    name: str | None = Field(None, pattern=STAGE_NAME, description="checkpoint folder name; defaults to the stage kind (inside a rounds block: r<k>.<name>)")
+    round: int | None = Field(None, ge=1, description="the round this stage is a copy for: set by a rounds block's expansion (docs/rounds.md), carried into its evals rows; null outside rounds")
+
+    @property
+    def folder(self) -> str:
+        return self.name or self.stage  # type: ignore[attr-defined]
+
+
+class TrainStage(StageBase):
     """Fields every optimizer-driven stage shares."""
 
-    name: str | None = Field(None, description="checkpoint folder name; defaults to the stage kind")
     steps: int = Field(100, gt=0, description="optimizer steps")
     batch_size: int = Field(32, gt=0, description="sequences per optimizer step")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step (batch_size must divide by it)")
@@ -113,10 +129,6 @@ class TrainStage(Strict):
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size {self.batch_size} is not divisible by grad_accum {self.grad_accum}")
         return self
-
-    @property
-    def folder(self) -> str:
-        return self.name or self.stage  # type: ignore[attr-defined]
 
 
 class PretrainStage(TrainStage):
@@ -190,9 +202,8 @@ class GRPOStage(TrainStage):
         return self
 
 
-class RejectionSamplingStage(Strict):
+class RejectionSamplingStage(StageBase):
     stage: Literal["rejection_sampling"] = "rejection_sampling"
-    name: str | None = Field(None, description="checkpoint folder name; defaults to the stage kind")
     data: list[DataSource] = Field(min_length=1, description="problems (a task, or JSONL in the `problem` schema)")
     levels: list[str] | None = Field(None, description="levels of the data task to draw problems from (None: the task's level mix)")
     samples: int = Field(8, gt=0, description="samples per prompt (N)")
@@ -207,16 +218,16 @@ class RejectionSamplingStage(Strict):
     keep: Literal["best", "all_correct"] = Field("best", description="per prompt: the best-scoring sample, or every sample at or above min_reward")
     min_reward: float = Field(0.5, description="a sample is kept only if its summed reward is at least this")
     output: Path | None = Field(None, description="where to write the SFT JSONL (default <run dir>/data/<name>.jsonl)")
+    pairs: bool = Field(False, description="also write preference pairs: per prompt, its best sample (chosen, as `keep: best` picks it) against its lowest-scoring finished one (rejected)")
+    pair_margin: float = Field(0.0, ge=0, description="a pair needs the chosen's summed reward above the rejected's by more than this")
+    pairs_output: Path | None = Field(None, description="where to write the pairs, `preference` schema (default <run dir>/data/<name>.pairs.jsonl)")
+    draw: int = Field(0, ge=0, description="which draw of a task's problems and of the sampling seeds: another draw, other prompts and samples (in a rounds block `draw: \"{round}\"` gives each round fresh prompts)")
 
     @model_validator(mode="after")
     def _scored(self) -> RejectionSamplingStage:
         if not self.rewards and self.reward_model is None:
             raise ValueError("rewards is empty and no reward_model is set: nothing would score the samples")
         return self
-
-    @property
-    def folder(self) -> str:
-        return self.name or self.stage
 
     @property
     def steps(self) -> int:
@@ -369,7 +380,7 @@ class Recipe(Strict):
     evals: list[EvalSpec] = Field(default_factory=list, description="held-out evals after every stage (and of a loaded start): exactly these, none by default")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     doctor: DoctorConfig = Field(default_factory=DoctorConfig)
-    stages: list[Stage] = Field(min_length=1)
+    stages: list[Stage] = Field(min_length=1, description="the stages in order; an item `rounds: {repeat: N, stages: [...]}` is that block N times (docs/rounds.md)")
 
     @model_validator(mode="before")
     @classmethod
@@ -378,6 +389,12 @@ class Recipe(Strict):
             raise ValueError("`eval` is now `evals`, a list naming each eval, e.g. "
                              "`evals: [{task: arithmetic, levels: [L1, L2, L3, L4], per_level: 200}]` (docs/tasks.md)")
         return raw
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_rounds(cls, raw: Any) -> Any:
+        # load_recipe expands first (its errors name the file); this serves Recipe.model_validate(dict)
+        return expand_rounds(raw)[0] if isinstance(raw, dict) else raw
 
     def task_names(self) -> list[str]:
         """Every task the recipe names (data sources, a pretrain stream, evals), in order, once each."""
@@ -414,14 +431,24 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
-    lines = []
+def format_validation_error(err: ValidationError, source: str, origin: list[str] | None = None) -> str:
+    """One line per error: `file: key.path: what was expected (got …)`. `origin[i]`: where expanded
+    stage i was written (a rounds block's copies point at the block's stage; their repeats are one line)."""
+    lines: list[str] = []
     for e in err.errors():
         msg = e["msg"].removeprefix("Value error, ")
         got = "" if e["type"] in ("missing", "extra_forbidden") else f" (got {e.get('input')!r})"
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"{source}: {_loc(e['loc'])}: {msg}{got}")
+        loc = e["loc"]
+        if origin and len(loc) >= 2 and loc[0] == "stages" and isinstance(loc[1], int) and loc[1] < len(origin):
+            rest = _loc(loc[2:])
+            where = origin[loc[1]] + ("" if rest == "(top level)" else "." + rest)
+        else:
+            where = _loc(loc)
+        line = f"{source}: {where}: {msg}{got}"
+        if line not in lines:
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -460,9 +487,13 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     except (KeyError, IndexError, ValueError, TypeError) as e:
         raise RecipeError(f"{path}: bad override: {e}") from None
     try:
+        raw, origin = expand_rounds(raw)
+    except RoundsError as e:
+        raise RecipeError(f"{path}: {e}") from None
+    try:
         return Recipe.model_validate(raw)
     except ValidationError as e:
-        raise RecipeError(format_validation_error(e, str(path))) from None
+        raise RecipeError(format_validation_error(e, str(path), origin)) from None
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -54,20 +54,20 @@ def run_pretrain(cfg: PretrainStage, ctx: RunContext) -> StageResult:
     micro = cfg.batch_size // cfg.grad_accum
     tokens_per_step = cfg.batch_size * (cfg.seq_len - 1)
     ctx.console.print(
-        f"pretrain: {rows.shape[0]:,} packed rows × {cfg.seq_len} tokens; {tokens_per_step:,} tokens per optimizer step; "
+        f"{cfg.folder}: {rows.shape[0]:,} packed rows × {cfg.seq_len} tokens; {tokens_per_step:,} tokens per optimizer step; "
         f"{cfg.steps} steps = {cfg.steps * cfg.batch_size / rows.shape[0]:.2f} epochs"
     )
     step_cost = costs.train_step(t.model.config, batch=cfg.batch_size, seq_len=cfg.seq_len)
 
     # ---- loop ----------------------------------------------------------------------------------
     with ctx.progress() as bar:
-        task = bar.add_task("pretrain", total=cfg.steps, completed=t.step, info="")
+        task = bar.add_task(cfg.folder, total=cfg.steps, completed=t.step, info="")
         while t.step < cfg.steps:
             step = t.step + 1
             t0 = time.perf_counter()
             gen = torch.Generator().manual_seed(ctx.recipe.seed * 1_000_003 + step)
             batch = rows[torch.randint(0, rows.shape[0], (cfg.batch_size,), generator=gen)]  # (B, T)
-            with ctx.phase("update", stage="pretrain", step=step, cost=step_cost):
+            with ctx.phase("update", stage=cfg.folder, step=step, cost=step_cost):
                 total = 0.0
                 for chunk in batch.split(micro):
                     with ctx.autocast():
@@ -79,10 +79,10 @@ def run_pretrain(cfg: PretrainStage, ctx: RunContext) -> StageResult:
                        "train/lr": t.scheduler.get_last_lr()[0],
                        "train/tokens_per_s": tokens_per_step / (time.perf_counter() - t0), **t.guard.metrics()}
             if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                with ctx.phase("eval", stage="pretrain", step=step):
+                with ctx.phase("eval", stage=cfg.folder, step=step):
                     metrics["eval/loss"] = heldout_loss(t.model, val_rows)
             if step % cfg.log_every == 0 or "eval/loss" in metrics:
-                ctx.log("pretrain", step, metrics)
+                ctx.log(cfg.folder, step, metrics)
             bar.update(task, completed=step, info=f"loss {metrics['loss/lm']:.3f}  {metrics['train/tokens_per_s']:,.0f} tok/s")
             if step % cfg.save_every == 0 and step < cfg.steps:
                 save(ctx, cfg, t, data_state=None)

@@ -10,9 +10,11 @@ reward model alone: `rewards: []`).
 
 What it writes: an SFT dataset in our JSONL schema (docs/data.md, kind `sft`), one
 `{"messages": [...prompt turns, {"role": "assistant", ...}], "reward", "level", "answer"}` row per
-kept sample, at `output` (default `<run dir>/data/<name>.jsonl`); and, so the pipeline can treat it
-like any stage, `checkpoints/<name>/final/` holding the unchanged policy. A following `sft` stage
-names the file as a data source (docs/rlvr.md, "Hand-off").
+kept sample, at `output` (default `<run dir>/data/<name>.jsonl`); with `pairs: true`, preference
+pairs (kind `preference`: the prompt's best sample against its worst, Llama 3's §4.2.1 setting with a
+judge in place of the reward model) at `pairs_output`; and, so the pipeline can treat it like any
+stage, `checkpoints/<name>/final/` holding the unchanged policy. A following `sft` (or `dpo`) stage
+names the file as a data source (docs/rlvr.md, "Hand-off"; docs/rounds.md for the loop).
 
 Departures (numbered):
 1. A sample cut by `max_new_tokens` is never kept (it did not end its turn), whatever its score;
@@ -27,6 +29,10 @@ Departures (numbered):
    before `final/` is published, so a `final/` always has its dataset.
 5. The `final/` checkpoint is a copy of the start weights (the pipeline resumes by looking for it);
    for a large model that copy costs disk, not correctness.
+6. A pair's chosen is the prompt's best sample when it reaches `min_reward`; its rejected is the
+   lowest-scoring sample that ended its turn (ties: the longer, then the first), and the pair is
+   written only if the two differ by more than `pair_margin`. A truncated or empty sample is never
+   part of a pair (its score judges no finished reply).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from posttrain.stages._rlvr import (
 from posttrain.telemetry import costs
 
 SEED_OFFSET = 1_000  # world problems distinct from a GRPO stage's (which draws with offset 0)
+DRAW_STRIDE = 100  # draw d reads problems at SEED_OFFSET + 100·d (+ the source's index), samples at seed + 10_007·d
 _SPACES = re.compile(r"\s+")
 
 
@@ -66,11 +73,21 @@ def output_path(cfg: RejectionSamplingStage, run_dir: Path) -> Path:
     return cfg.output if cfg.output is not None else run_dir / "data" / f"{cfg.folder}.jsonl"
 
 
+def pairs_path(cfg: RejectionSamplingStage, run_dir: Path) -> Path:
+    """Where the stage writes its preference pairs (with `pairs: true`)."""
+    return cfg.pairs_output if cfg.pairs_output is not None else run_dir / "data" / f"{cfg.folder}.pairs.jsonl"
+
+
 def produced_paths(recipe: Recipe, run_dir: Path) -> dict[Path, int]:
     """Files the recipe's rejection-sampling stages will write → the index of the stage writing each
     (resolved paths), so input validation can accept a later stage's `data: [{path: ...}]` naming one."""
-    return {output_path(s, run_dir).resolve(): i for i, s in enumerate(recipe.stages)
-            if isinstance(s, RejectionSamplingStage)}
+    out: dict[Path, int] = {}
+    for i, s in enumerate(recipe.stages):
+        if isinstance(s, RejectionSamplingStage):
+            out[output_path(s, run_dir).resolve()] = i
+            if s.pairs:
+                out[pairs_path(s, run_dir).resolve()] = i
+    return out
 
 
 def select(problem: Problem, texts: list[str], rewards: list[float | None], finish: list[str], *,
@@ -105,11 +122,48 @@ def select(problem: Problem, texts: list[str], rewards: list[float | None], fini
     return cands, counts
 
 
+def best_and_worst(texts: list[str], rewards: list[float | None], finish: list[str], *, min_reward: float,
+                   margin: float) -> tuple[tuple[str, float], tuple[str, float]] | None:
+    """One prompt's preference pair ((chosen, reward), (rejected, reward)), or None. Among the samples
+    that ended their turn non-empty and were judged: chosen = the best (≥ min_reward; shorter wins a
+    tie, then the first), rejected = the worst (longer loses a tie, then the first); None unless the
+    chosen's reward exceeds the rejected's by more than `margin`."""
+    done = [(t.strip(), r) for t, r, why in zip(texts, rewards, finish) if why != "length" and t.strip() and r is not None]
+    if not done:
+        return None
+    best = min(range(len(done)), key=lambda i: (-done[i][1], len(done[i][0]), i))
+    worst = min(range(len(done)), key=lambda i: (done[i][1], -len(done[i][0]), i))
+    if done[best][1] < min_reward or done[best][1] - done[worst][1] <= margin:
+        return None
+    return done[best], done[worst]
+
+
 def sft_row(problem: Problem, completion: str, reward: float) -> dict:
     """A kept sample as one line of our SFT schema (extra columns land in the record's `meta`)."""
     messages = [m.as_dict() for m in prompt_messages(problem.prompt)]
     return {"messages": messages + [{"role": "assistant", "content": completion}], "reward": round(reward, 6),
             "level": problem.level, "answer": problem.answer}
+
+
+def pair_row(problem: Problem, chosen: tuple[str, float], rejected: tuple[str, float]) -> dict:
+    """A pair as one line of our preference schema (rewards, level and answer land in `meta`)."""
+    return {"prompt": [m.as_dict() for m in prompt_messages(problem.prompt)], "chosen": chosen[0], "rejected": rejected[0],
+            "chosen_reward": round(chosen[1], 6), "rejected_reward": round(rejected[1], 6),
+            "level": problem.level, "answer": problem.answer}
+
+
+def add_pair(rows: list[dict], seen: set[tuple[str, str, str]], problem: Problem, key_prompt: str,
+             pair: tuple[tuple[str, float], tuple[str, float]] | None) -> bool:
+    """Append `pair` to `rows` as a preference row unless it is None or already there (same prompt,
+    chosen and rejected, whitespace collapsed). True if appended."""
+    if pair is None:
+        return False
+    key = (key_prompt, _SPACES.sub(" ", pair[0][0]), _SPACES.sub(" ", pair[1][0]))
+    if key in seen:
+        return False
+    seen.add(key)
+    rows.append(pair_row(problem, *pair))
+    return True
 
 
 def score(verifiers: Sequence[WeightedVerifier], scorer: RewardModelScorer | None, weight: float, ro: Rollout,
@@ -146,7 +200,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
     stage, tok = cfg.folder, ctx.tokenizer
-    problems = load_problems(ctx, cfg.data, levels=cfg.levels, seed_offset=SEED_OFFSET)
+    problems = load_problems(ctx, cfg.data, levels=cfg.levels, seed_offset=SEED_OFFSET + DRAW_STRIDE * cfg.draw)
     prompts = encode_problems(problems, tok, cfg.max_prompt_len)
     scorer = (RewardModelScorer(resolve_reward_model(ctx, cfg.reward_model, stage), ctx.device)
               if cfg.reward_model is not None else None)
@@ -159,13 +213,18 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     scored_by = [f"{r.name}×{r.weight:g}" for r in cfg.rewards]
     if scorer is not None:
         scored_by.append(f"reward model {scorer.path}×{cfg.reward_model_weight:g}")
+    pairs_out = pairs_path(cfg, ctx.run_dir) if cfg.pairs else None
     ctx.console.print(f"{stage}: {len(problems):,} prompts × N={cfg.samples} samples at T={cfg.temperature}; keep "
-                      f"{cfg.keep} with summed reward ≥ {cfg.min_reward} ({', '.join(scored_by)}) → {out_path}")
+                      f"{cfg.keep} with summed reward ≥ {cfg.min_reward} ({', '.join(scored_by)}) → {out_path}"
+                      + (f"; best-vs-worst pairs (margin > {cfg.pair_margin}) → {pairs_out}" if pairs_out else ""))
 
     # ---- loop ----------------------------------------------------------------------------------
     rows: list[dict] = []
+    pair_rows: list[dict] = []
     seen_pairs: set[tuple[str, str]] = set()
-    totals = {"truncated": 0, "empty": 0, "unjudged": 0, "below_min": 0, "duplicates": 0, "prompts_without_keep": 0}
+    seen_prefs: set[tuple[str, str, str]] = set()  # (prompt, chosen, rejected), whitespace-collapsed
+    totals = {"truncated": 0, "empty": 0, "unjudged": 0, "below_min": 0, "duplicates": 0, "prompts_without_keep": 0,
+              **({"prompts_without_pair": 0} if cfg.pairs else {})}
     samples = passes = 0
     n_steps = -(-len(problems) // cfg.batch_prompts)
     last: dict[str, float] = {}
@@ -175,7 +234,8 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
             for step, start in enumerate(range(0, len(problems), cfg.batch_prompts), 1):
                 idx = list(range(start, min(start + cfg.batch_prompts, len(problems))))
                 params = SamplingParams(n=cfg.samples, temperature=cfg.temperature, top_p=cfg.top_p,
-                                        max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed * 1_000_003 + step)
+                                        max_new_tokens=cfg.max_new_tokens,
+                                        seed=ctx.recipe.seed * 1_000_003 + 10_007 * cfg.draw + step)
                 with ctx.phase("generate", stage=stage, step=step) as p:
                     ro: Rollout = engine.generate([prompts[i] for i in idx], params)
                     p.cost = costs.decode(model.config, batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
@@ -196,13 +256,17 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                         seen_pairs.add((key_prompt, _SPACES.sub(" ", c)))
                         rows.append(sft_row(problems[i], c, r))
                     totals["prompts_without_keep"] += not new
+                    if cfg.pairs:
+                        pair = best_and_worst(ro.texts[sl], total[sl], ro.finish_reason[sl], min_reward=cfg.min_reward,
+                                              margin=cfg.pair_margin)
+                        totals["prompts_without_pair"] += not add_pair(pair_rows, seen_prefs, problems[i], key_prompt, pair)
                     for k, v in counts.items():
                         totals[k] += v
                 judged = [t for t in total if t is not None]
                 samples += len(ro)
                 passes += sum(t >= cfg.min_reward for t in judged)
                 last = {**metrics, "rs/accept_rate": sum(t >= cfg.min_reward for t in judged) / len(ro),
-                        "rs/kept": float(len(rows) - kept_before)}
+                        "rs/kept": float(len(rows) - kept_before), **({"rs/pairs": float(len(pair_rows))} if cfg.pairs else {})}
                 if step < n_steps:
                     ctx.log(stage, step, last)
                 bar.update(task, completed=step, info=f"kept {len(rows):,}")
@@ -213,13 +277,26 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     if not rows:
         raise ValueError(f"{stage}: no sample reached min_reward={cfg.min_reward} on {len(problems)} prompts × "
                          f"{cfg.samples} samples; nothing to write (lower min_reward or raise samples)")
+    if pairs_out is not None and not pair_rows:
+        raise ValueError(f"{stage}: no preference pair on {len(problems)} prompts × {cfg.samples} samples (no prompt had a "
+                         f"sample ≥ min_reward={cfg.min_reward} and a finished one more than pair_margin={cfg.pair_margin} "
+                         f"below it); nothing to write (raise samples or temperature, or lower pair_margin)")
     write_jsonl(out_path, rows)
     read_jsonl(out_path, "sft")  # the hand-off contract: what we wrote reads back as SFT data
+    if pairs_out is not None:
+        write_jsonl(pairs_out, pair_rows)
+        read_jsonl(pairs_out, "preference")  # and the pairs as preference data
     summary = {"rs/rows": float(len(rows)), "rs/accept_rate": passes / samples, "rs/prompts": float(len(problems)),
+               **({"rs/pairs": float(len(pair_rows))} if cfg.pairs else {}),
                **{f"rs/{k}": float(v) for k, v in totals.items()}}
     ctx.log(stage, n_steps, {**last, **summary})
     ctx.console.print(f"{stage}: wrote {len(rows):,} SFT rows to {out_path} (accept rate {passes / samples:.1%}; "
                       f"{totals['prompts_without_keep']} prompts without a kept sample, {totals['duplicates']} duplicates)")
-    state = {"stage": stage, "step": n_steps, "data": {"output": str(out_path), "rows": len(rows)}}
+    data = {"output": str(out_path), "rows": len(rows)}
+    if pairs_out is not None:
+        ctx.console.print(f"{stage}: wrote {len(pair_rows):,} preference pairs to {pairs_out} "
+                          f"({totals['prompts_without_pair']} prompts without a pair)")
+        data.update(pairs_output=str(pairs_out), pairs=len(pair_rows))
+    state = {"stage": stage, "step": n_steps, "data": data}
     final = save_checkpoint(ctx.stage_dir(stage), model, tok, state, keep_last=1, final=True)
     return StageResult(final, summary)

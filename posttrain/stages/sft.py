@@ -99,7 +99,7 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
     train, n_trunc = encode_sft_dataset(load_sft_examples(ctx, cfg.data), tok, cfg.max_len, truncation=truncation)
     if n_trunc:
         train = [e for e in train if not e.truncated]  # "drop": over-long examples are counted and left out
-        ctx.console.print(f"[yellow]sft: dropped {n_trunc} examples longer than max_len={cfg.max_len}")
+        ctx.console.print(f"[yellow]{cfg.folder}: dropped {n_trunc} examples longer than max_len={cfg.max_len}")
     val, _ = encode_sft_dataset(heldout_examples(ctx, cfg), tok, cfg.max_len, truncation="right")
     t = start_or_resume(ctx, cfg, data_parallel=True)
     sampler = EpochSampler(len(train), cfg.batch_size, seed=ctx.recipe.seed)
@@ -109,7 +109,7 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
     micro = cfg.batch_size // n_micro
     mean_len = sum(len(e.input_ids) for e in train) / len(train)
     ctx.console.print(
-        f"sft: {len(train):,} examples (mean {mean_len:.0f} tokens); {cfg.batch_size} sequences "
+        f"{cfg.folder}: {len(train):,} examples (mean {mean_len:.0f} tokens); {cfg.batch_size} sequences "
         f"(≈{cfg.batch_size * mean_len:,.0f} tokens) per optimizer step in {n_micro} micro-batches"
         + (f" ({ranks.world_size} ranks × {n_micro // ranks.world_size} of {micro} sequences)" if ranks.world_size > 1 else "")
         + f"; {sampler.batches_per_epoch} steps per epoch; {cfg.steps} steps = {cfg.steps / sampler.batches_per_epoch:.2f} epochs"
@@ -117,7 +117,7 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
 
     # ---- loop ----------------------------------------------------------------------------------
     with ctx.progress() as bar:
-        task = bar.add_task("sft", total=cfg.steps, completed=t.step, info="")
+        task = bar.add_task(cfg.folder, total=cfg.steps, completed=t.step, info="")
         while t.step < cfg.steps:
             step = t.step + 1
             t0 = time.perf_counter()
@@ -131,7 +131,7 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
             mine = deal(chunks, ranks)  # this rank's micro-batches (all of them in one process)
             step_cost = sum((costs.train_step(t.model.config, batch=len(c), seq_len=len(c[-1].input_ids), optimizer=False)
                              for c in mine), costs.adamw(t.model.config))
-            with ctx.phase("update", stage="sft", step=step, cost=step_cost):
+            with ctx.phase("update", stage=cfg.folder, step=step, cost=step_cost):
                 total = 0.0
                 for chunk in mine:
                     with ctx.autocast():
@@ -145,10 +145,10 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
                        "train/tokens_per_s": padded / (time.perf_counter() - t0),
                        "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch, **t.guard.metrics()}
             if val and ranks.is_main and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps):
-                with ctx.phase("eval", stage="sft", step=step):
+                with ctx.phase("eval", stage=cfg.folder, step=step):
                     metrics["eval/loss"] = heldout_loss(t.model, val, tok.pad_token_id)
             if step % cfg.log_every == 0 or "eval/loss" in metrics:
-                ctx.log("sft", step, metrics)
+                ctx.log(cfg.folder, step, metrics)
             bar.update(task, completed=step, info=f"loss {total:.3f}  {metrics['train/tokens_per_s']:,.0f} tok/s")
             if step % cfg.save_every == 0 and step < cfg.steps:
                 save(ctx, cfg, t, data_state=sampler.state_dict())

@@ -21,6 +21,7 @@ class EvalRecord:
     value: float
     n: int
     stderr: float | None
+    round: int | None = None  # the round of the stage that made the checkpoint (a rounds block's copy), else None
 
 
 def binomial_stderr(p: float, n: int) -> float:
