@@ -23,6 +23,9 @@ FAILURES = {
     "grpo-entropy-collapse": ("entropy_collapse", "grpo", Severity.CRITICAL, 7),  # entropy 0.599 → 0.005 nats
     # RM score +0.24 → +2.07 while gold fell from its 0.09 peak (step 4) to 0.02; gold started at 0.06, so only a warning
     "ppo-length-rm": ("reward_overoptimization", "ppo", Severity.WARNING, 25),
+    # gradient norm 10.2 at step 35 (7.2× its recent median 1.42), 17.7 at 54 (18×), 27 at 96 (27× a median 1.02)
+    "sft-lr-spike": ("grad_spike", "sft", Severity.CRITICAL, 35),
+    "sft-lr-typo": ("non_finite", "sft", Severity.CRITICAL, 3),  # loss 5.26 → 4,107 → 22,517; gradient norm 11 → 4.1e5 → NaN
 }
 HEALTHY = ["demo", "demo-dpo-seed1", "demo-dpo-seed2"]
 
