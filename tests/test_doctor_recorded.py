@@ -26,6 +26,8 @@ FAILURES = {
     # gradient norm 10.2 at step 35 (7.2× its recent median 1.42), 17.7 at 54 (18×), 27 at 96 (27× a median 1.02)
     "sft-lr-spike": ("grad_spike", "sft", Severity.CRITICAL, 35),
     "sft-lr-typo": ("non_finite", "sft", Severity.CRITICAL, 3),  # loss 5.26 → 4,107 → 22,517; gradient norm 11 → 4.1e5 → NaN
+    # accuracy 1.0 from step 12 of 60 (64 pairs, β 5); loss 0.693 → 0.0099 at step 12 → 1e-4; margin 0 → 6.6 → 12.6
+    "dpo-reward-collapse": ("reward_scale_collapse", "dpo", Severity.WARNING, 12),
 }
 HEALTHY = ["demo", "demo-dpo-seed1", "demo-dpo-seed2"]
 
