@@ -21,8 +21,12 @@ FAILURES = {
     "dpo-displacement": ("likelihood_displacement", "dpo", Severity.CRITICAL, 10),  # chosen −10.0 → −15.9, rejected −14.0 → −28.2
     "grpo-format-only": ("verifier_gaming", "grpo", Severity.CRITICAL, 9),  # format 0.61 → 0.80, math 0.00 → 0.00
     "grpo-entropy-collapse": ("entropy_collapse", "grpo", Severity.CRITICAL, 7),  # entropy 0.599 → 0.005 nats
-    # RM score +0.24 → +2.07 while gold fell from its 0.09 peak (step 4) to 0.02; gold started at 0.06, so only a warning
-    "ppo-length-rm": ("reward_overoptimization", "ppo", Severity.WARNING, 25),
+    # from the demo's full 600-step SFT: RM score +0.20 → +1.77 while gold fell from its 0.62 peak (step 2) to 0.26,
+    # below its 0.60 start; KL 0.03 → 3.5 nats; stopped at step 12
+    "ppo-length-rm": ("reward_overoptimization", "ppo", Severity.CRITICAL, 8),
+    # the same recipe from a 200-step SFT: RM score +0.24 → +2.07 while gold fell from its 0.09 peak (step 4) to 0.02;
+    # gold started at 0.06, so it could not fall 0.05 below its start: only a warning
+    "ppo-length-rm-sft200": ("reward_overoptimization", "ppo", Severity.WARNING, 25),
     # gradient norm 10.2 at step 35 (7.2× its recent median 1.42), 17.7 at 54 (18×), 27 at 96 (27× a median 1.02)
     "sft-lr-spike": ("grad_spike", "sft", Severity.CRITICAL, 35),
     "sft-lr-typo": ("non_finite", "sft", Severity.CRITICAL, 3),  # loss 5.26 → 4,107 → 22,517; gradient norm 11 → 4.1e5 → NaN
@@ -81,10 +85,10 @@ def test_demo_warnings_are_the_true_ones():
     assert found == {("forgetting", "sft", Severity.WARNING), ("difficulty_mismatch", "grpo", Severity.WARNING)}
 
 
-def test_ppo_length_rm_length_explosion_as_the_live_doctor_saw_it():
-    # live, at its step-14 to step-20 checks, the mean length was ≥ 1.5× its start (20.9 → 31.5 tokens); by step 30
+def test_ppo_length_rm_sft200_length_explosion_as_the_live_doctor_saw_it():
+    # the 200-step-SFT recording: live, at its step-14 to step-20 checks, the mean length was ≥ 1.5× its start (20.9 → 31.5 tokens); by step 30
     # it had settled at 1.48× (the reward model saturated at +2.07), so the whole-stream verdict no longer holds
-    s = _stage("ppo-length-rm", "ppo")
+    s = _stage("ppo-length-rm-sft200", "ppo")
     early = copy.deepcopy(s)
     early.records = [r for r in s.records if r["step"] <= 16]
     f = [x for x in diagnose_stage(early) if x.rule == "length_explosion"]
