@@ -33,7 +33,7 @@ FAILURES = {
     # accuracy 1.0 from step 12 of 60 (64 pairs, β 5); loss 0.693 → 0.0099 at step 12 → 1e-4; margin 0 → 6.6 → 12.6
     "dpo-reward-collapse": ("reward_scale_collapse", "dpo", Severity.WARNING, 12),
 }
-HEALTHY = ["demo", "demo-dpo-seed1", "demo-dpo-seed2"]
+HEALTHY = ["demo", "demo-full", "demo-dpo-seed1", "demo-dpo-seed2"]
 
 
 def criticals(findings):
@@ -83,6 +83,13 @@ def test_demo_warnings_are_the_true_ones():
     # (19.0% → 0.0% on 63 facts), and GRPO on L2–L4 from that SFT sees 94% all-wrong groups (pass rate 1%)
     found = {(f.rule, f.stage, f.severity) for f in diagnose(load_streams(DATA / "demo"))}
     assert found == {("forgetting", "sft", Severity.WARNING), ("difficulty_mismatch", "grpo", Severity.WARNING)}
+
+
+def test_full_demo_warns_only_of_the_prose_forgetting():
+    # the full-length demo (`posttrain demo`): SFT drops the pretrained prose recall 23.8% → 4.8% (63 facts, 3.2 s.e.);
+    # DPO and GRPO move no eval by 2 s.e. and ≥ 5 points down (L1 98.4 → 96.8 → 95.2%; L2 95.5 → 92.0 → 97.0%)
+    found = [(f.rule, f.stage, f.severity) for f in diagnose(load_streams(DATA / "demo-full"))]
+    assert found == [("forgetting", "sft", Severity.WARNING)]
 
 
 def test_ppo_length_rm_sft200_length_explosion_as_the_live_doctor_saw_it():

@@ -41,7 +41,7 @@ def non_finite(s: StageStream) -> list[Finding]:
     """The first record with a NaN/Inf in a watched metric; critical."""
     for r in s.records:
         # finiteness first: a record carries ~100 keys (the per-phase roofline ones too), nearly all finite, and
-        # matching each name against WATCHED made this rule 20 ms of every live check at 100 records
+        # matching each name against WATCHED made this rule ~16 ms of every live check at 100 records (now ~1)
         bad = sorted(k for k, v in r.items() if isinstance(v, float) and not math.isfinite(v) and _watched(k))
         if not bad:
             continue
