@@ -141,3 +141,17 @@ def test_a_transient_live_finding_stays_in_doctor_json(tmp_path):
     seen = Finding("length_explosion", "ppo", Severity.WARNING, 14, "length 20.9 → 31.5", "why", "try")
     _, findings = write_doctor_json(run, live=[seen])
     assert [f.rule for f in findings] == ["length_explosion"] and "seen live" in findings[0].summary
+
+
+def test_the_false_alarm_check_runs_the_demos_own_dpo_and_grpo_stages():
+    # recipes/checks/demo-dpo-grpo.yaml must stay the quickstart's DPO and GRPO stages (and evals) verbatim:
+    # the doctor's false-alarm rate over seeds is measured on it (docs/doctor.md, "Measured")
+    from posttrain.runtime.config import load_recipe
+
+    root = Path(__file__).parent.parent / "posttrain" / "recipes"
+    quick = yaml.safe_load((root / "quickstart.yaml").read_text())
+    check_path = root / "checks" / "demo-dpo-grpo.yaml"
+    check = yaml.safe_load(check_path.read_text())
+    assert check["stages"] == [quick["stages"][2], quick["stages"][3]] and check["evals"] == quick["evals"]
+    assert check_path.read_text().splitlines()[0].startswith("# posttrain run recipes/checks/demo-dpo-grpo.yaml")
+    assert [s.stage for s in load_recipe(check_path).stages] == ["dpo", "grpo"]

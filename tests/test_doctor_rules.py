@@ -211,6 +211,17 @@ def test_grad_spike():
     assert grad_spike(stream("sft", **{"train__grad_norm": base + [3.0] + base})) == []
 
 
+def test_grad_spike_in_a_noisy_window_is_capped_at_20x():
+    # a turbulent window: norms alternate 1 and 4 → logs 0, 1.386; median of the 10 = 0.693, every
+    # |deviation| = 0.693 → robust σ = 1.4826 × 0.693 = 1.028, so 6σ = 6.17 in log (a 476× bar)
+    noisy = [1.0, 4.0] * 5
+    # 40× the median 2.0 (log 3.0): under 6σ = 6.17, but σ is capped at ln 20 / 6 = 0.499 → bar ln 20 = 3.0 < ln 40 = 3.69
+    f = grad_spike(stream("sft", **{"train__grad_norm": noisy + [80.0]}))
+    assert sev(f) == Severity.WARNING and f[0].first_step == 11
+    # 15× the median (log 2.71 < ln 20 = 3.0): no spike in that noise
+    assert grad_spike(stream("sft", **{"train__grad_norm": noisy + [30.0]})) == []
+
+
 def test_ratio_mismatch_only_at_mu_one():
     r = [1.001, 1.002, 2.0, 1.001, 1.003, 1.001]
     assert sev(ratio_mismatch(stream("grpo", config={"mu": 1}, **{"clip__ratio_max": r}))) == Severity.WARNING
