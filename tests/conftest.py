@@ -167,3 +167,21 @@ def make_reward_model(folder, policy_dir, *, mean: float = 0.0, std: float = 1.0
     rm.save_pretrained(folder)
     RewardNormalization(mean=mean, std=std, n=1, policy=str(policy_dir)).save(folder)
     return folder
+
+
+class Recording:
+    """A RolloutEngine that records, per generate call and row, the prompt it got and the tokens it sampled
+    (`calls[k]`: the k-th call's [(prompt ids, sampled ids)], one per row)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+        self.name, self.pad_id, self.eos_ids = engine.name, engine.pad_id, engine.eos_ids
+
+    def generate(self, prompts, params):
+        ro = self.engine.generate(prompts, params)
+        lengths = ro.completion_lengths.tolist()
+        self.calls.append([(list(p), ro.completion_ids[j, :lengths[j]].tolist()) for j, p in enumerate(prompts)])
+        return ro
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
