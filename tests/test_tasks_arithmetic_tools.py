@@ -62,7 +62,7 @@ def tok(task):
 def test_a_minority_of_demonstrations_call_the_tool(task):
     records = task.records("sft", 2000)
     share = sum(r.meta["tool"] for r in records) / len(records)
-    assert abs(share - 0.25) < 0.04  # binomial SE at n = 2000: 0.0097, so ±0.04 is 4 SE
+    assert abs(share - 0.4) < 0.044  # binomial SE at n = 2000: √(0.4·0.6/2000) = 0.011, so ±0.044 is 4 SE
     for r in records:
         roles = [m.role for m in r.messages]
         assert roles == (["user", "assistant", "tool", "assistant"] if r.meta["tool"] else ["user", "assistant"])

@@ -4,7 +4,7 @@ Problems (posttrain/worlds/tool_arithmetic.py): T1 2-digit × 2-digit, T2 three 
 summed — one step beyond the arithmetic world's L3/L4, so a tiny model working them in its head
 mostly gets them wrong, while a calculator call only needs copying. What the task supplies:
 
-- `sft`: chats on training problems; a share `tool_share` (default 0.25: a minority) call the
+- `sft`: chats on training problems; a share `tool_share` (default 0.4: a minority) call the
   calculator — user → assistant `<tool_call>…</tool_call>` → tool result → assistant answer — and the
   rest work the problem in the head (`<think>47*3=141, 47*80=3760, 141+3760=3901</think> 3901`). The
   tool result is a `tool` message, so the SFT loss (every assistant turn, never another role) covers
@@ -86,7 +86,7 @@ class ArithmeticToolsTask(Task):
                               Capability.TOKENIZER, Capability.ENV})
     levels = tuple(LEVELS)
 
-    def __init__(self, *, seed: int = 0, eval_per_level: int = 200, tool_share: float = 0.25):
+    def __init__(self, *, seed: int = 0, eval_per_level: int = 200, tool_share: float = 0.4):
         if not 0.0 <= tool_share <= 1.0:
             raise TaskError(f"task {NAME!r}: tool_share must be in [0, 1], got {tool_share}")
         self._seed, self._eval_per_level, self.tool_share = seed, eval_per_level, tool_share
