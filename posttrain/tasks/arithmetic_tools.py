@@ -55,13 +55,12 @@ DEFAULT_ENV: dict[str, Any] = {"tools": ["calculator"], "system_prompt": False}
 EVAL_TURNS = 3  # a call, an answer, and one turn of slack (a second call)
 
 
-def tool_chat(p: LongProblem, prompt: str, result: str | None = None) -> list[Message]:
+def tool_chat(p: LongProblem, prompt: str) -> list[Message]:
     """A demonstration that calls the calculator: the call, the tool's result, the answer."""
-    result = str(p.value) if result is None else result
     return [Message("user", prompt),
             Message("assistant", format_call("calculator", {"expression": p.expression})),
-            Message("tool", result),
-            Message("assistant", result)]
+            Message("tool", str(p.value)),
+            Message("assistant", str(p.value))]
 
 
 def direct_chat(p: LongProblem, prompt: str) -> list[Message]:
