@@ -201,3 +201,21 @@ def metric_rows(out) -> list[tuple[str, int]]:
 def finish_run(proc) -> None:
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
+
+
+class Recording:
+    """A RolloutEngine that records, per generate call and row, the prompt it got and the tokens it sampled
+    (`calls[k]`: the k-th call's [(prompt ids, sampled ids)], one per row)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+        self.name, self.pad_id, self.eos_ids = engine.name, engine.pad_id, engine.eos_ids
+
+    def generate(self, prompts, params):
+        ro = self.engine.generate(prompts, params)
+        lengths = ro.completion_lengths.tolist()
+        self.calls.append([(list(p), ro.completion_ids[j, :lengths[j]].tolist()) for j, p in enumerate(prompts)])
+        return ro
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)

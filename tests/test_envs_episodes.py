@@ -16,6 +16,8 @@ from posttrain.envs import Budget, EpisodeEnd, StepResult, pad_episodes, run_epi
 from posttrain.models import build_tiny, train_tokenizer
 from posttrain.rollout import SamplingParams, make_engine
 
+from conftest import Recording
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -35,23 +37,6 @@ def model(tok):
     with torch.no_grad():
         m.model.embed_tokens.weight[tok.convert_tokens_to_ids("<|im_end|>")] *= 45
     return m
-
-
-class Recording:
-    """A RolloutEngine that records, per generate call and row, the prompt it got and the tokens it sampled."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-        self.name, self.pad_id, self.eos_ids = engine.name, engine.pad_id, engine.eos_ids
-
-    def generate(self, prompts, params):
-        ro = self.engine.generate(prompts, params)
-        lengths = ro.completion_lengths.tolist()
-        self.calls.append([(list(p), ro.completion_ids[j, :lengths[j]].tolist()) for j, p in enumerate(prompts)])
-        return ro
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
 
 class Scripted:

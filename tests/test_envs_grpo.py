@@ -67,7 +67,7 @@ def _cfg(**over):
 def smoke(tmp_path_factory, policy_dir, tokenizer, world):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(grpo_mod, "build_rewards", lambda specs: [WeightedVerifier("digits", _digits)])
-        mp.setattr(grpo_mod, "build_env", lambda spec: EnvironmentFactory(TwoTurns))
+        mp.setattr(grpo_mod, "build_env", lambda *_: EnvironmentFactory(TwoTurns))
         run_dir = tmp_path_factory.mktemp("grpo_episodes")
         ctx, sink = _ctx(run_dir, policy_dir, tokenizer, world, _cfg())
         result = grpo_mod.run_grpo(_cfg(), ctx)
@@ -109,7 +109,7 @@ def test_the_update_sees_the_model_tokens_only(policy_dir, tokenizer, world, tmp
     """With μ = 1 the importance ratio over the episode mask is 1: the update's log-probs on the model's
     tokens are the sampling-time ones (a mask landing on environment tokens would read log-probs of 0)."""
     monkeypatch.setattr(grpo_mod, "build_rewards", lambda specs: [WeightedVerifier("digits", _digits)])
-    monkeypatch.setattr(grpo_mod, "build_env", lambda spec: EnvironmentFactory(TwoTurns))
+    monkeypatch.setattr(grpo_mod, "build_env", lambda *_: EnvironmentFactory(TwoTurns))
     for share in (False, True):
         cfg = _cfg(steps=1, save_every=1, grad_accum=2, share_prompt=share, optim={"lr": 1e-3, "warmup_steps": 0})
         ctx, sink = _ctx(tmp_path / str(share), policy_dir, tokenizer, world, cfg)
@@ -124,7 +124,7 @@ def test_resume_after_kill_is_exact(policy_dir, tokenizer, world, tmp_path, monk
     """Episodes in lockstep are reproducible (seeded per step and per generate call): a run killed after
     its step-2 checkpoint and resumed ends with the same weights as the run that was never stopped."""
     monkeypatch.setattr(grpo_mod, "build_rewards", lambda specs: [WeightedVerifier("digits", _digits)])
-    monkeypatch.setattr(grpo_mod, "build_env", lambda spec: EnvironmentFactory(TwoTurns))
+    monkeypatch.setattr(grpo_mod, "build_env", lambda *_: EnvironmentFactory(TwoTurns))
 
     def cfg():
         return _cfg(steps=4, save_every=2, batch_size=8, mu=2, kl_coef=0.0, optim={"lr": 1e-2, "warmup_steps": 0},
@@ -162,4 +162,5 @@ def test_config_checks_the_env_options():
         _cfg(env={"name": "chess"})
     with pytest.raises(ValueError, match="extra|not permitted"):
         _cfg(env={"name": "tools", "turns": 3})
-    assert episodes_mod.build_env(_cfg(env={"name": "tools", "params": {"tools": ["calculator"]}}).env).tools
+    cfg = _cfg(env={"name": "tools", "params": {"tools": ["calculator"]}})
+    assert episodes_mod.build_env(None, cfg.env, cfg.data).tools  # a registered environment needs no context

@@ -88,7 +88,7 @@ def check(run_dir: Path, stages: list[str]) -> None:
 
 
 def test_every_shipped_recipe_validates_and_names_its_command():
-    assert set(SHIPPED) >= {"quickstart", "instructgpt", "r1", "r1-zero", "rlvr-arithmetic", "llama3"}
+    assert set(SHIPPED) >= {"quickstart", "instructgpt", "r1", "r1-zero", "rlvr-arithmetic", "llama3", "tools-arithmetic"}
     for name in SHIPPED + ["smollm2-own-data"]:
         path = RECIPES / f"{name}.yaml"
         load_recipe(path)
@@ -113,6 +113,16 @@ def test_rlvr_arithmetic_from_the_demo_sft(quickstart_run, tmp_path, monkeypatch
     run_dir = run_shrunk("rlvr-arithmetic", tmp_path,
                          [f"model.init={quickstart_run / 'checkpoints' / 'sft' / 'final'}"])
     check(run_dir, ["grpo"])
+
+
+def test_tools_arithmetic_episodes_in_the_tasks_environment(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = run_shrunk("tools-arithmetic", tmp_path)
+    check(run_dir, ["pretrain", "sft", "grpo"])
+    grpo = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"grpo"' in x]
+    assert grpo and all("episode/tool_use_frac" in m for m in grpo)  # GRPO played episodes in the task's environment
+    evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert {(e["eval"], e["metric"]) for e in evals} == {("arithmetic-tools", "exact_match"), ("arithmetic-tools", "tool_use")}
 
 
 # llama3's rounds collect with the gold judge at min_reward 0.9, which a policy trained 4 steps never

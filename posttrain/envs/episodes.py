@@ -78,6 +78,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     env_seconds: float = 0.0    # time inside the environment's `step` (tools included), summed
+    finish: str = "stop"        # the last turn's finish: "stop" (the model ended it) or "length" (cut at a token budget)
 
     @property
     def turns(self) -> int:
@@ -121,6 +122,7 @@ class _Live:
     env_seconds: float = 0.0
     last_text: str = ""
     last_token: int | None = None
+    last_finish: str = "stop"
 
     @property
     def turns(self) -> int:
@@ -191,7 +193,8 @@ def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, fact
                 ep.lps += ro.logprobs[j, :k].tolist()
                 ep.plps += ro.policy_logprobs[j, :k].tolist()
                 ep.last_text = ro.texts[j] if k == lengths[j] else tokenizer.decode(toks, skip_special_tokens=True)
-                ep.last_token = toks[-1] if toks and k == lengths[j] and ro.finish_reason[j] == "stop" else None
+                ep.last_finish = ro.finish_reason[j] if k == lengths[j] else "length"
+                ep.last_token = toks[-1] if toks and ep.last_finish == "stop" else None
                 pending[pool.submit(_timed_step, ep.env, ep.last_text)] = r
             # Lockstep: wait for the whole round. Overlap: wait at most tool_wait_s; late rows join later calls.
             t0 = time.perf_counter()
@@ -203,7 +206,7 @@ def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, fact
     episodes = [Episode(ep.index, ep.messages, torch.tensor(ep.ids, dtype=torch.long), torch.tensor(ep.mask),
                         torch.tensor(ep.lps, dtype=torch.float32), torch.tensor(ep.plps, dtype=torch.float32),
                         ep.prompt_len, ep.spans, ep.rewards, ep.end or EpisodeEnd.DONE, ep.tool_calls,
-                        ep.tool_errors, ep.env_seconds) for ep in live]
+                        ep.tool_errors, ep.env_seconds, ep.last_finish) for ep in live]
     return EpisodeRun(episodes, calls, gen_s, wait_s)
 
 

@@ -32,7 +32,7 @@ from posttrain.models import NAMED_CHECKPOINTS, build_tiny, checkpoint_folder, c
 from posttrain.models.tiny import PRESETS
 from posttrain.rollout.engine import backend_unavailable_reason
 from posttrain.runtime.checkpoint import final_checkpoint, publish
-from posttrain.runtime.config import Recipe
+from posttrain.runtime.config import Recipe, task_names
 from posttrain.runtime.context import RunContext, StageResult, eval_plan, make_tasks
 from posttrain.pipeline.evals import as_json, run_evals
 from posttrain.pipeline.resume import BASE, RunError, inspect_run_dir, prepare_run_dir
@@ -118,6 +118,12 @@ def validate_inputs(recipe: Recipe, tokenizer, run_dir: Path, tasks: TaskSet | N
         if e.path is not None:
             read_jsonl(e.path, "problem")
     for i, stage in enumerate(recipe.stages):
+        env = getattr(stage, "env", None)
+        if env is not None and env.name == "task" and tasks is not None:
+            names = task_names(stage.data)
+            if not any(tasks.get(n).has(Capability.ENV) for n in names):
+                raise RunError(f"stages[{i}].env: name 'task', but none of the stage's data tasks {names} supplies an "
+                               "environment (arithmetic-tools does); or name one, e.g. `env: {name: tools}`")
         for src in getattr(stage, "data", []):
             if src.path is None:
                 task = tasks.get(src.task) if tasks is not None else None

@@ -52,7 +52,7 @@ class DataSource(Strict):
     """Where a stage's examples come from: a task (`{task: arithmetic, n: 2000}`) or a JSONL file in our
     schemas (`{path: file.jsonl}`, docs/data.md). `world: arithmetic` is kept as an alias of `task`."""
 
-    task: str | None = Field(None, description="a built-in task that supplies the split (arithmetic, code; docs/tasks.md)")
+    task: str | None = Field(None, description="a built-in task that supplies the split (arithmetic, arithmetic-tools, code; docs/tasks.md)")
     path: Path | None = Field(None, description="a JSONL file in the documented schema of the stage")
     n: int | None = Field(None, gt=0, description="examples to draw from the task (required with `task`)")
     weight: float = Field(1.0, gt=0, description="share of this source in the mix")
@@ -157,8 +157,8 @@ class RewardSpec(Strict):
 class EnvSpec(Strict):
     """A multi-turn environment for an RL stage: each sample is an episode in it (docs/envs.md)."""
 
-    name: Literal["tools"] = Field(description="a posttrain.envs environment (tools: calculator / python in the sandbox)")
-    params: dict[str, Any] = Field(default_factory=dict, description="the environment's parameters, e.g. {tools: [calculator]}")
+    name: Literal["tools", "task"] = Field(description="a posttrain.envs environment (tools: calculator / python in the sandbox), or `task`: the environment the stage's first data task with one supplies (arithmetic-tools)")
+    params: dict[str, Any] = Field(default_factory=dict, description="the environment's parameters, e.g. {tools: [calculator]} (with `task`: overrides of the task's defaults)")
     max_turns: int = Field(4, gt=0, description="assistant turns per episode at most")
     max_tokens: int = Field(256, gt=1, description="tokens per episode at most: first prompt, model turns and environment text")
     tool_wait_s: float | None = Field(None, gt=0, description="None: lockstep rounds (reproducible); seconds: rows whose environment step takes longer join a later generate call")
@@ -316,7 +316,7 @@ class EvalSpec(Strict):
     `{task: humaneval, k: [1, 10]}`) or a `problem` JSONL file judged by a verifier
     (`{path: my_eval.jsonl, verifier: math}`). docs/tasks.md lists what each task reports."""
 
-    task: str | None = Field(None, description="a built-in task: arithmetic, code, humaneval")
+    task: str | None = Field(None, description="a built-in task: arithmetic, arithmetic-tools, code, humaneval")
     path: Path | None = Field(None, description="a JSONL file in the `problem` schema (the `jsonl` task)")
     verifier: str | None = Field(None, description="the posttrain.rewards verifier that judges a reply to `path` (math, code, …)")
     params: dict[str, Any] = Field(default_factory=dict, description="that verifier's parameters")
@@ -352,7 +352,7 @@ class EvalSpec(Strict):
 
     @property
     def per_level_or_default(self) -> int | None:
-        return self.per_level if self.per_level is not None or self.task != "arithmetic" else 200
+        return self.per_level if self.per_level is not None or self.task not in ("arithmetic", "arithmetic-tools") else 200
 
 
 class TelemetryConfig(Strict):
@@ -406,9 +406,9 @@ class Recipe(Strict):
         names += [e.task for e in self.evals if e.task is not None]
         return list(dict.fromkeys(names))
 
-    def arithmetic_eval_per_level(self) -> int:
-        """Held-out problems per level the arithmetic world must keep back (the largest eval's)."""
-        return max([e.per_level_or_default or 0 for e in self.evals if e.task == "arithmetic"] + [0])
+    def arithmetic_eval_per_level(self, task: str = "arithmetic") -> int:
+        """Held-out problems per level a world task (arithmetic, arithmetic-tools) must keep back (the largest eval's)."""
+        return max([e.per_level_or_default or 0 for e in self.evals if e.task == task] + [0])
 
     @model_validator(mode="after")
     def _unique_folders(self) -> Recipe:

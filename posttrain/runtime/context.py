@@ -32,7 +32,7 @@ def make_tasks(recipe: Recipe, world: Any = None) -> TaskSet:
     """The recipe's tasks by name, none built yet. `world`: an ArithmeticWorld to use for `arithmetic`
     (e.g. one whose `drawn` set a caller reads afterwards); it is used only if the recipe names it."""
     factories = {n: (lambda n=n: build_task(n, world_seed=recipe.world_seed, world=world,
-                                            arithmetic_eval_per_level=recipe.arithmetic_eval_per_level()))
+                                            arithmetic_eval_per_level=recipe.arithmetic_eval_per_level(n)))
                  for n in recipe.task_names()}
     for e in recipe.evals:
         if e.path is not None:

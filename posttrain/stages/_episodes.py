@@ -24,13 +24,23 @@ from posttrain.data import EpochSampler, Problem
 from posttrain.envs import Budget, EnvironmentFactory, Episode, EpisodeEnd, build_environment, run_episodes
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import RolloutEngine, SamplingParams
-from posttrain.runtime.config import EnvSpec, GRPOStage
+from posttrain.runtime.config import DataSource, EnvSpec, GRPOStage, task_names
 from posttrain.runtime.context import RunContext
 from posttrain.stages._rlvr import group_keep, passed, score_texts
+from posttrain.tasks import Capability
 
 
-def build_env(spec: EnvSpec) -> EnvironmentFactory:
-    return build_environment(spec.name, **spec.params)
+def build_env(ctx: RunContext, spec: EnvSpec, data: list[DataSource]) -> EnvironmentFactory:
+    """The stage's environment: a registered one by name, or (`name: task`) the one the first data task
+    with an environment supplies (`Task.environment`, e.g. arithmetic-tools' calculator), with the
+    recipe's `params` as overrides."""
+    if spec.name != "task":
+        return build_environment(spec.name, **spec.params)
+    task = ctx.tasks.first_with(task_names(data), Capability.ENV)
+    if task is None:  # the pipeline checks this before anything runs; a direct caller gets the same line
+        raise ValueError(f"env: name 'task', but no data source is a task that supplies an environment "
+                         f"(data tasks: {task_names(data) or 'none, files only'})")
+    return task.environment(**spec.params)
 
 
 @dataclass

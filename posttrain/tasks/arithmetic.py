@@ -1,6 +1,6 @@
 """The `arithmetic` task: the built-in world (posttrain.worlds.arithmetic) behind the Task protocol.
 
-It supplies everything: SFT demonstrations, gold-ranked pairs, unpaired examples and rankings,
+It supplies everything but an environment (its answers are single turns): SFT demonstrations, gold-ranked pairs, unpaired examples and rankings,
 problems for RL, held-out evals per level (L1–L4) with format and exact-match metrics, the prose
 probe, the gold judge, the pretraining stream and the texts a from-scratch tokenizer is trained on.
 The world is built on first use, so naming the task costs nothing until a stage asks for data.
@@ -82,7 +82,7 @@ def fact_of(problem: Problem) -> Fact | None:
 
 class ArithmeticTask(Task):
     name = "arithmetic"
-    capabilities = frozenset(Capability)  # every one
+    capabilities = frozenset(Capability) - {Capability.ENV}  # every one but an environment (single-turn answers)
     levels = tuple(LEVELS)
 
     def __init__(self, *, seed: int = 0, eval_per_level: int = ArithmeticWorld.eval_per_level,

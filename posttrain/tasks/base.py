@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any
 
 from posttrain.data.records import Problem, Record
+from posttrain.envs import EnvironmentFactory
 from posttrain.tasks.evaluate import evaluate_problems
 from posttrain.tasks.records import EvalRecord, EvalRequest, PhaseFn
 
@@ -33,6 +34,7 @@ class Capability(str, Enum):  # str-valued (StrEnum is 3.11+; the project suppor
     PROBE = "prose_probe"          # knowledge probed in prose, without chat behaviour
     PRETRAIN = "pretrain"          # a document stream for next-token pretraining
     TOKENIZER = "tokenizer_texts"  # texts to train a tokenizer on (a model built from scratch)
+    ENV = "env"                    # the multi-turn environment its problems are played in (GRPO's `env: {name: task}`)
 
 
 RECORD_KINDS: dict[str, Capability] = {"sft": Capability.SFT, "preference": Capability.PREFERENCE,
@@ -124,6 +126,10 @@ class Task:
 
     def tokenizer_texts(self) -> list[str]:
         raise self._missing(Capability.TOKENIZER)
+
+    def environment(self, **params: Any) -> EnvironmentFactory:
+        """A factory of the environment this task's problems are played in (one per episode; close it)."""
+        raise self._missing(Capability.ENV)
 
     def describe(self) -> str:
         """One line for start-up: what the task supplies and what it does not."""

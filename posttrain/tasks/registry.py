@@ -12,7 +12,7 @@ from typing import Any
 from posttrain.tasks.base import Capability, EvalRequest, PhaseFn, Task, TaskError
 from posttrain.tasks.records import EvalRecord
 
-BUILTIN = ("arithmetic", "code", "humaneval")
+BUILTIN = ("arithmetic", "arithmetic-tools", "code", "humaneval")
 
 
 class HumanEvalTask(Task):
@@ -42,11 +42,16 @@ class MissingTask(TaskError):
 
 
 def build_task(name: str, *, world_seed: int = 0, arithmetic_eval_per_level: int = 200, world: Any = None) -> Task:
-    """A built-in task by name. `world`: an ArithmeticWorld to use instead of building one."""
+    """A built-in task by name. `world`: an ArithmeticWorld to use instead of building one.
+    `arithmetic_eval_per_level`: held-out problems per level a world task (arithmetic, arithmetic-tools) keeps back."""
     if name == "arithmetic":
         from posttrain.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(seed=world_seed, eval_per_level=arithmetic_eval_per_level, world=world)
+    if name == "arithmetic-tools":
+        from posttrain.tasks.arithmetic_tools import ArithmeticToolsTask
+
+        return ArithmeticToolsTask(seed=world_seed, eval_per_level=arithmetic_eval_per_level)
     if name == "code":
         from posttrain.tasks.verified import CodeTask
 
