@@ -169,6 +169,19 @@ def test_entropy_collapse_and_the_law():
     assert entropy_collapse(stream("grpo", entropy=[1.0 - 0.5 * i / (n - 1) for i in range(n)])) == []
 
 
+def test_entropy_collapse_on_solved_problems_is_a_warning():
+    # the same fall to 0.02 nats: critical while the pass rate ends at 0.94, a warning once it ends at 0.95
+    n = 12
+    h = [1.0 - 0.98 * i / (n - 1) for i in range(n)]
+    h[-3:] = [0.03, 0.02, 0.02]
+    for end, want in ((0.94, Severity.CRITICAL), (0.95, Severity.WARNING)):
+        passed = [0.3 + (end - 0.3) * i / (n - 1) for i in range(n)]
+        passed[-3:] = [end] * 3
+        f = entropy_collapse(stream("grpo", entropy=h, reward__pass_rate=passed))
+        assert sev(f) == want, (end, f[0].summary)
+    assert "convergence" in f[0].summary
+
+
 def test_clip_fraction_climb():
     lo = [0.01] * 10
     assert sev(clip_fraction_climb(stream("grpo", **{"clip__low": lo, "clip__high": [0.0, 0.0, 0.02, 0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5]}))) == Severity.CRITICAL

@@ -39,6 +39,7 @@ LENGTH_WARN, LENGTH_CRIT = 1.5, 2.0      # end / start of mean length
 TRUNC_CRIT, TRUNC_RISE = 0.5, 0.3        # share cut at max_new_tokens: ≥ 50% and up ≥ 30 points from the start
 ENTROPY_WARN, ENTROPY_CRIT = 0.3, 0.1    # end / start of mean token entropy
 ENTROPY_MIN_START = 0.05                 # nats: a policy that starts (nearly) deterministic has nothing to collapse
+ENTROPY_SOLVED = 0.95                    # end pass rate at which low entropy is convergence: at most a warning
 CLIP_WARN, CLIP_CRIT = 0.2, 0.4          # clipped-token share, and ≥ 3× its start
 FORMAT_RISE, ACC_FLAT = 0.15, 0.05       # format reward up ≥ 15 points while accuracy moves < 5 points
 ZERO_VAR_WARN = 0.6                      # ≥ 60% of groups carry no signal (median over the stage's second half)
@@ -140,7 +141,8 @@ def _reward_series(s: StageStream) -> Series:
 
 def entropy_collapse(s: StageStream) -> list[Finding]:
     """Entropy's end level ≤ 30% (warning) / ≤ 10% (critical) of its start (≥ 0.05 nats), falling by
-    > 3× noise. The summary carries the ceiling b − a of R = −a·e^H + b fitted on the first half."""
+    > 3× noise. The summary carries the ceiling b − a of R = −a·e^H + b fitted on the first half. A stage
+    whose pass rate ends ≥ 0.95 has converged on its problems rather than lost its exploration: a warning."""
     if s.kind not in RL_KINDS:
         return []
     h = s.series("entropy").clean()
@@ -153,11 +155,16 @@ def entropy_collapse(s: StageStream) -> list[Finding]:
     window = _window_from(h, [v <= ENTROPY_WARN * h0 for v in rolling_median(h.values)])
     reward = _reward_series(s)
     law = ""
+    passed = s.series("reward/pass_rate").clean()
+    solved = len(passed) >= MIN_POINTS and end_level(passed.values) >= ENTROPY_SOLVED
+    if solved:  # nothing left to explore on these problems: convergence, unless held-out evals stall
+        sev = Severity.WARNING
+        law = f"; the stage solves its problems (pass rate {end_level(passed.values):.2f}): convergence more than collapse"
     early = Series(h.metric, h.steps[: max(MIN_POINTS, len(h) // 2)], h.values[: max(MIN_POINTS, len(h) // 2)])
     fit = entropy_fit(early, reward)
     if fit is not None and fit[0] > 0 and fit[2] >= 0.5:
         a, b, r2, n = fit
-        law = (f"; R ≈ −{a:.3g}·e^H + {b:.3g} fitted on the first {n} points (R² {r2:.2f}) puts the reward "
+        law += (f"; R ≈ −{a:.3g}·e^H + {b:.3g} fitted on the first {n} points (R² {r2:.2f}) puts the reward "
                f"ceiling at entropy 0 near {b - a:.3f} (last logged reward {end_level(reward.values):.3f})")
     ev = [evidence("entropy", h.steps, h.values, window, h0)]
     if len(reward):
