@@ -31,12 +31,11 @@ from posttrain.doctor.diagnose import RUN_RULES
 from posttrain.models import NAMED_CHECKPOINTS, build_tiny, checkpoint_folder, count_parameters, load_model, load_tokenizer, train_tokenizer
 from posttrain.models.tiny import PRESETS
 from posttrain.rollout.engine import backend_unavailable_reason
-from posttrain.runtime.checkpoint import final_checkpoint, publish
+from posttrain.runtime.checkpoint import FINAL, final_checkpoint, publish
 from posttrain.runtime.config import Recipe, task_names
 from posttrain.runtime.context import RunContext, StageResult, eval_plan, make_tasks
 from posttrain.pipeline.evals import as_json, run_evals
 from posttrain.pipeline.resume import BASE, RunError, inspect_run_dir, prepare_run_dir
-from posttrain.runtime.checkpoint import FINAL
 from posttrain.tasks import Capability, TaskSet
 from posttrain.tasks.base import RECORD_KINDS
 from posttrain.tasks.records import EvalRecord
