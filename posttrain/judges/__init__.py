@@ -5,10 +5,24 @@ reply cache) — and agreement with a task's gold judge. docs/judges.md.
 
 Modules: `backend` (ChatRequest, the ChatBackend protocol, errors), `local` (LocalChatBackend),
 `endpoint` (EndpointBackend), `cache` (ResponseCache), `pairwise`, `rubric` (and RubricVerifier),
-`agreement` (gold_agreement).
+`agreement` (gold_agreement); Constitutional AI: `constitution` (the principles file), `checkers` (rule
+checkers and the rule revisers derived from them), `feedback` (critique → revision and pairwise labels by a
+chat model or a rule). docs/constitutional_ai.md.
 """
 
 from posttrain.judges.agreement import Agreement, gold_agreement, pairs_from_scores, pairwise_gold_agreement
+from posttrain.judges.checkers import CHECKERS, Verdict, split_reply, work_result
+from posttrain.judges.constitution import Constitution, ConstitutionError, Principle, load_constitution, parse_constitution
+from posttrain.judges.feedback import (
+    ChatLabeler,
+    ChatReviser,
+    Labeler,
+    Reviser,
+    Revision,
+    RuleLabeler,
+    RuleReviser,
+    gold_of_pair,
+)
 from posttrain.judges.backend import BudgetExhausted, ChatBackend, ChatRequest, JudgeBackendError
 from posttrain.judges.cache import ResponseCache, request_key
 from posttrain.judges.endpoint import EndpointBackend, EndpointStats
@@ -26,6 +40,9 @@ from posttrain.judges.pairwise import (
 from posttrain.judges.rubric import RubricResult, RubricVerifier, judge_scores, parse_score, rubric_request
 
 __all__ = [
+    "CHECKERS", "ChatLabeler", "ChatReviser", "Constitution", "ConstitutionError", "Labeler", "Principle", "Reviser",
+    "Revision", "RuleLabeler", "RuleReviser", "Verdict", "gold_of_pair", "load_constitution", "parse_constitution",
+    "split_reply", "work_result",
     "Agreement", "BudgetExhausted", "ChatBackend", "ChatRequest", "EndpointBackend", "EndpointStats",
     "JudgeBackendError", "LocalChatBackend", "PairJudgement", "PairwiseCounts", "ResponseCache", "RubricResult",
     "RubricVerifier", "Winner", "combine_orders", "count_pairs", "gold_agreement", "judge_pairs", "judge_scores",
