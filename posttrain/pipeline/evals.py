@@ -13,14 +13,17 @@ from typing import Any
 
 from posttrain.runtime.config import EvalSpec
 from posttrain.rollout.greedy import PhaseFn
+from posttrain.judges.constitution import load_constitution
 from posttrain.tasks import EvalRecord, EvalRequest, Task
+from posttrain.tasks.constitution_eval import evaluate_constitution
 
 
 def renamed(records: list[EvalRecord], task: Task, name: str | None) -> list[EvalRecord]:
-    """Records of `task` under the recipe's eval `name` (`code` → `name`, `code@T1` → `name@T1`)."""
+    """Records of `task` under the recipe's eval `name` (`code` → `name`, `code@T1` → `name@T1`,
+    `code/constitution` → `name/constitution`)."""
     if not name or name == task.name:
         return records
-    return [replace(r, eval=name + r.eval[len(task.name):]) if r.eval == task.name or r.eval.startswith(task.name + "@")
+    return [replace(r, eval=name + r.eval[len(task.name):]) if r.eval == task.name or r.eval.startswith((task.name + "@", task.name + "/"))
             else r for r in records]
 
 
@@ -31,6 +34,9 @@ def run_evals(plan: list[tuple[EvalSpec, Task, EvalRequest]], model: Any, tok: A
     out: list[EvalRecord] = []
     for spec, task, request in plan:
         out += renamed(task.evaluate(model, tok, request, stage=stage, checkpoint=checkpoint, phase=phase), task, spec.name)
+        if spec.constitution is not None:  # a second greedy pass over the same problems (cost: one more eval's decode)
+            out += renamed(evaluate_constitution(task, model, tok, request, load_constitution(spec.constitution),
+                                                 stage=stage, checkpoint=checkpoint, phase=phase), task, spec.name)
     return out if round_k is None else [replace(r, round=round_k) for r in out]
 
 

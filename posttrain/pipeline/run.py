@@ -47,12 +47,17 @@ from posttrain.stages.dpo import run_dpo
 from posttrain.stages.ppo import run_ppo
 from posttrain.stages.grpo import run_grpo
 from posttrain.stages.rejection_sampling import produced_paths, run_rejection_sampling
+from posttrain.stages._constitution import produced_paths as constitution_outputs
+from posttrain.stages.constitutional_rl import run_constitutional_rl
+from posttrain.stages.constitutional_sl import run_constitutional_sl
 from posttrain.telemetry import JsonlSink, MetricSink, Telemetry
 from posttrain.telemetry.revision import Announcer
 
 STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft": run_sft, "grpo": run_grpo,
                                                  "rejection_sampling": run_rejection_sampling,
-                                                 "reward_model": run_reward_model, "dpo": run_dpo, "ppo": run_ppo}
+                                                 "reward_model": run_reward_model, "dpo": run_dpo, "ppo": run_ppo,
+                                                 "constitutional_sl": run_constitutional_sl,
+                                                 "constitutional_rl": run_constitutional_rl}
 # The stages that run data-parallel, each with why a config of it cannot (None: it can).
 DATA_PARALLEL: dict[str, Callable[..., str | None]] = {"sft": sft_stage.data_parallel_problem,
                                                        "grpo": grpo_stage.data_parallel_problem}
@@ -102,17 +107,17 @@ def record_kind(stage) -> str:
     if stage.stage == "dpo":
         return "unpaired" if stage.loss == "kto" else "preference"
     return {"sft": "sft", "reward_model": "preference", "ppo": "problem", "grpo": "problem",
-            "rejection_sampling": "problem"}[stage.stage]
+            "rejection_sampling": "problem", "constitutional_sl": "problem", "constitutional_rl": "problem"}[stage.stage]
 
 
 def validate_inputs(recipe: Recipe, tokenizer, run_dir: Path, tasks: TaskSet | None = None) -> None:
     """Read and encode every data file the recipe names, and check every data task supplies the
     records its stage reads, before anything is written.
 
-    A file an earlier rejection-sampling stage will write is accepted unread; one written by a later
+    A file an earlier rejection-sampling or constitutional stage will write is accepted unread; one written by a later
     stage is an error. Raises DataError naming the file, the line and the field (or the over-long
     record)."""
-    produced = produced_paths(recipe, run_dir)
+    produced = {**produced_paths(recipe, run_dir), **constitution_outputs(recipe, run_dir)}
     for e in recipe.evals:
         if e.path is not None:
             read_jsonl(e.path, "problem")

@@ -236,6 +236,82 @@ class RejectionSamplingStage(StageBase):
         return max(1, -(-n // self.batch_prompts))
 
 
+def _check_constitution(path: Path | None) -> None:
+    from posttrain.judges.constitution import load_constitution
+
+    if path is not None:
+        load_constitution(path)  # ConstitutionError (a ValueError) names the file, the principle and the field
+
+
+class FeedbackModel(Strict):
+    """Who critiques and revises (SL-CAI) or labels pairs (RL-CAI) against the constitution (docs/constitutional_ai.md)."""
+
+    kind: Literal["rule", "local", "endpoint"] = Field(description="rule: each principle's checker and its rule reviser; local: an HF chat model; endpoint: an OpenAI-compatible server")
+    checkpoint: str = Field("policy", description="local only: `policy` (the stage's start model: self-critique), a named checkpoint (smollm2-135m-instruct) or a model folder")
+    base_url: str | None = Field(None, description="endpoint only: e.g. https://api.example.com/v1")
+    model: str | None = Field(None, description="endpoint only: the served model's name")
+    api_key_env: str | None = Field("OPENAI_API_KEY", description="endpoint only: the environment variable holding the key (null: none)")
+    budget: int | None = Field(None, gt=0, description="endpoint only: most HTTP attempts (replies are cached under <run dir>/judge_cache)")
+    max_tokens: int = Field(64, gt=0, description="reply budget of a critique or revision (a pairwise label asks for 16)")
+    batch_size: int = Field(8, gt=0, description="local only: requests per generation call")
+
+    @model_validator(mode="after")
+    def _endpoint_named(self) -> FeedbackModel:
+        if self.kind == "endpoint" and (self.base_url is None or self.model is None):
+            raise ValueError("kind endpoint needs `base_url` and `model`")
+        return self
+
+
+class ConstitutionalStage(StageBase):
+    """What SL-CAI and RL-CAI share: prompts, the constitution, sampling from the start policy."""
+
+    data: list[DataSource] = Field(min_length=1, description="prompts (a task's problems, or JSONL in the `problem` schema)")
+    levels: list[str] | None = Field(None, description="levels of the data task to draw prompts from (None: the task's level mix)")
+    constitution: Path = Field(description="the constitution YAML: a list of principles (name, critique, revision, optional preference and check)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the policy's responses")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass (1 = off)")
+    max_new_tokens: int = Field(48, gt=0, description="response budget")
+    max_prompt_len: int = Field(64, gt=0, description="longest prompt in tokens (longer ones are an error)")
+    batch_prompts: int = Field(64, gt=0, description="prompts per generation call")
+    output: Path | None = Field(None, description="the training data it writes (default <run dir>/data/<name>.jsonl)")
+    records_output: Path | None = Field(None, description="the auditable feedback records (default <run dir>/data/<name>.records.jsonl)")
+    draw: int = Field(0, ge=0, description="which draw of the task's problems and of the seeds (as rejection_sampling's)")
+
+    @model_validator(mode="after")
+    def _constitution_reads(self) -> ConstitutionalStage:
+        _check_constitution(self.constitution)
+        return self
+
+    @property
+    def steps(self) -> int:
+        """Generation calls (what the run's eval step counter reads)."""
+        n = sum(s.n or 0 for s in self.data)
+        return max(1, -(-n // self.batch_prompts))
+
+
+class ConstitutionalSLStage(ConstitutionalStage):
+    """SL-CAI (Bai et al. 2022, §3): responses critiqued and revised against sampled principles → SFT data."""
+
+    stage: Literal["constitutional_sl"] = "constitutional_sl"
+    reviser: FeedbackModel = Field(default_factory=lambda: FeedbackModel(kind="rule"), description="who critiques and revises")
+    revisions: int = Field(1, gt=0, description="critique → revision passes per response, each with a freshly sampled principle")
+    keep: Literal["all", "changed"] = Field("all", description="SFT rows: every usable final revision (the paper), or only those that differ from the response")
+
+
+class ConstitutionalRLStage(ConstitutionalStage):
+    """RL-CAI's labelling (Bai et al. 2022, §4): pairs of the policy's samples judged against a sampled principle → preference data."""
+
+    stage: Literal["constitutional_rl"] = "constitutional_rl"
+    samples: int = Field(2, ge=2, description="samples per prompt, paired in sampling order (1, 2), (3, 4), …; even")
+    judge: FeedbackModel = Field(default_factory=lambda: FeedbackModel(kind="rule"), description="the feedback model that labels the pairs")
+
+    @model_validator(mode="after")
+    def _even(self) -> ConstitutionalRLStage:
+        if self.samples % 2:
+            raise ValueError(f"samples {self.samples} must be even (samples are paired)")
+        return self
+
+
 class RewardModelStage(TrainStage):
     """Bradley–Terry reward model on the start policy's backbone (docs/preference.md)."""
 
@@ -308,7 +384,8 @@ class PPOStage(TrainStage):
             raise ValueError(f"batch_size {self.batch_size} is not divisible by minibatch_size {self.minibatch_size}")
         return self
 
-Stage = Annotated[PretrainStage | SFTStage | GRPOStage | RejectionSamplingStage | RewardModelStage | DPOStage | PPOStage, Field(discriminator="stage")]
+Stage = Annotated[PretrainStage | SFTStage | GRPOStage | RejectionSamplingStage | RewardModelStage | DPOStage | PPOStage
+                  | ConstitutionalSLStage | ConstitutionalRLStage, Field(discriminator="stage")]
 
 
 class EvalSpec(Strict):
@@ -330,6 +407,7 @@ class EvalSpec(Strict):
     max_new_tokens: int = Field(48, gt=0, description="answer budget")
     batch_size: int = Field(128, gt=0, description="prompts (greedy) or sequences (sampled) per generation batch")
     probe: bool = Field(True, description="arithmetic only: the prose probe of held-out single-digit facts")
+    constitution: Path | None = Field(None, description="also rule-check the greedy replies against this constitution's checked principles: compliance per principle and overall ± stderr (docs/constitutional_ai.md)")
 
     @model_validator(mode="after")
     def _one_source(self) -> EvalSpec:
@@ -348,6 +426,7 @@ class EvalSpec(Strict):
             raise ValueError(f"every k must be ≤ samples={self.samples}, got k={self.k}")
         if any(k < 1 for k in self.k):
             raise ValueError(f"every k must be ≥ 1, got {self.k}")
+        _check_constitution(self.constitution)
         return self
 
     @property
@@ -424,7 +503,8 @@ def _loc(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("pretrain", "sft", "grpo", "rejection_sampling", "reward_model", "dpo", "ppo") or str(part).startswith("function-"):
+        elif part in ("pretrain", "sft", "grpo", "rejection_sampling", "reward_model", "dpo", "ppo", "constitutional_sl",
+                      "constitutional_rl") or str(part).startswith("function-"):
             continue  # pydantic's discriminator tag, not a key the user wrote
         else:
             out += ("." if out else "") + str(part)
