@@ -222,3 +222,122 @@ def test_chat_labeler_asks_each_principles_question_in_both_orders():
 def test_rule_feedback_needs_a_check_on_every_principle(tmp_path):
     with pytest.raises(ValueError, match="has no `check`"):
         RuleReviser().revise([P345], [GOOD], [parse_constitution([principle(check=None)], "mem").principles[0]])
+
+
+# ---- the stages' data paths -----------------------------------------------------------------------------
+class ScriptedEngine:
+    """The real engine's rollout (shapes, finish reasons) with its texts replaced by `script(row)`."""
+
+    def __init__(self, engine, script):
+        self.engine, self.script = engine, script
+
+    def generate(self, prompts, params):
+        ro = self.engine.generate(prompts, params)
+        return dataclasses.replace(ro, texts=[self.script(k) for k in range(len(ro))], finish_reason=["stop"] * len(ro))
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_sl_cai_writes_auditable_records_and_sft_rows(tmp_path, policy_dir, tokenizer, world):
+    from conftest import make_ctx
+    from posttrain.stages.constitutional_sl import read_records, run_constitutional_sl
+
+    cfg = ConstitutionalSLStage(constitution=ARITH, data=[{"task": "arithmetic", "n": 12}], batch_prompts=6, max_new_tokens=12,
+                                revisions=2)
+    ctx, sink = make_ctx(tmp_path, policy_dir, tokenizer, world, cfg)
+    result = run_constitutional_sl(cfg, ctx)
+    records = read_records(tmp_path / "data" / "constitutional_sl.records.jsonl")
+    assert len(records) == 12 and all(len(r["passes"]) == 2 for r in records)  # 2 passes, a principle each
+    names = {"work_shown", "answer_from_work", "no_filler"}
+    assert {p["principle"] for r in records for p in r["passes"]} <= names
+    assert all(set(r["compliance_before"]) == names and r["passes"][0]["critique"] for r in records)
+    rows = read_jsonl(tmp_path / "data" / "constitutional_sl.jsonl", "sft").records
+    usable = [r for r in records if r["final"]]
+    assert len(rows) == len(usable) > 0  # keep: all — every usable final revision is an SFT target
+    assert [r.messages[-1].content for r in rows] == [r["final"] for r in usable]
+    summary = [r for r in sink.records if "cai/responses" in r][-1]
+    assert summary["cai/responses"] == 12 and summary["cai/unusable"] == 12 - len(rows)
+    assert (result.checkpoint / "model.safetensors").is_file()
+    # a rule revision of a pass applies that pass's principle: the final text complies with the last one
+    for r in usable:
+        last = r["passes"][-1]
+        if last["revision"] is not None:
+            assert r["compliance_after"][last["principle"]] in (True, None)
+
+
+def test_rl_cai_labels_pairs_and_reports_agreement_with_the_checker(tmp_path, policy_dir, tokenizer, world, monkeypatch):
+    from conftest import make_ctx
+    from posttrain.runtime.context import RunContext
+    from posttrain.stages.constitutional_rl import run_constitutional_rl
+
+    # per prompt, 4 samples → pairs (concise, filler) and (concise, wrong-from-work): the rule labeler decides a
+    # pair only when the sampled principle separates it
+    script = lambda k: [GOOD, FILLER, GOOD, "<think>5+8=13, 4+4+1=9, 3+3=6</think> 683"][k % 4]
+    real = RunContext.rollout_engine
+    monkeypatch.setattr(RunContext, "rollout_engine", lambda self, model, backend="native": ScriptedEngine(real(self, model), script))
+    cfg = ConstitutionalRLStage(constitution=ARITH, data=[{"task": "arithmetic", "n": 8}], samples=4, batch_prompts=8,
+                                max_new_tokens=8)
+    ctx, sink = make_ctx(tmp_path, policy_dir, tokenizer, world, cfg)
+    run_constitutional_rl(cfg, ctx)
+    records = [json.loads(x) for x in (tmp_path / "data" / "constitutional_rl.records.jsonl").read_text().splitlines()]
+    assert len(records) == 16  # 8 prompts × 2 pairs
+    rows = read_jsonl(tmp_path / "data" / "constitutional_rl.jsonl", "preference").records
+    decided = [r for r in records if r["winner"] in ("first", "second")]
+    assert len(rows) == len(decided) > 0
+    assert all(r.chosen == GOOD for r in rows)  # the concise, computed reply wins every decided pair
+    for r in records:  # pair 1 differs only in filler, pair 2 only in the stated answer
+        separates = {FILLER: "no_filler", GOOD: None}.get(r["second"], "answer_from_work")
+        assert (r["winner"] == "first") == (r["principle"] == separates), r
+    summary = [r for r in sink.records if "cai/agreement" in r][-1]
+    assert summary["cai/agreement"] == 1.0 and summary["cai/agreement_n"] == len(decided)  # the rule is the gold
+
+
+def test_rl_cai_skips_pairs_it_cannot_judge(tmp_path, policy_dir, tokenizer, world, monkeypatch):
+    from conftest import make_ctx
+    from posttrain.runtime.context import RunContext
+    from posttrain.stages.constitutional_rl import run_constitutional_rl, usable_pair
+
+    assert not usable_pair("5", " 5 ", "stop", "stop") and not usable_pair("5", "6", "stop", "length") and usable_pair("5", "6", "stop", "stop")
+    real = RunContext.rollout_engine
+    monkeypatch.setattr(RunContext, "rollout_engine", lambda self, model, backend="native": ScriptedEngine(real(self, model), lambda k: GOOD))
+    cfg = ConstitutionalRLStage(constitution=ARITH, data=[{"task": "arithmetic", "n": 4}], samples=2, max_new_tokens=8)
+    ctx, _ = make_ctx(tmp_path, policy_dir, tokenizer, world, cfg)
+    with pytest.raises(ValueError, match=r"decided none of 0 pairs \(4 skipped"):
+        run_constitutional_rl(cfg, ctx)
+
+
+# ---- the compliance eval -------------------------------------------------------------------------------
+def test_clustered_standard_error_by_hand():
+    from posttrain.tasks.constitution_eval import clustered
+
+    # 2 problems × 2 samples: [ok, ok] and [ok, not]; p = 3/4; residuals c_i − p·m_i = 2 − 1.5 = 0.5 and 1 − 1.5 = −0.5
+    # se = sqrt(0.25 + 0.25) / 4 = 0.1768
+    r = clustered("s", "c", "e", None, "comply/x", [True, True, True, False], 2)
+    assert (r.value, r.n) == (0.75, 4) and r.stderr == pytest.approx(0.17678, abs=1e-4)
+    # a reply the principle does not apply to leaves the count: [ok, n/a] and [not, n/a] → 1 of 2
+    r = clustered("s", "c", "e", None, "comply/x", [True, None, False, None], 2)
+    assert (r.value, r.n) == (0.5, 2)
+    # group 1: binomial, sqrt(0.5·0.5/2) = 0.3536
+    assert clustered("s", "c", "e", None, "m", [True, False], 1).stderr == pytest.approx(0.35355, abs=1e-4)
+
+
+def test_compliance_rows_per_level_and_pooled():
+    from posttrain.judges import load_constitution as load
+    from posttrain.tasks.arithmetic import ArithmeticTask
+    from posttrain.tasks.constitution_eval import compliance_rows
+
+    task = ArithmeticTask()
+    sets = {"L1": [P34, P34], "L3": [P345, P345]}
+    replies = {"What is 3+4?": ["<think>3+4=7</think> 7", "So 7"], "What is 345+348?": [GOOD, FILLER]}
+    decode = lambda problems: ([replies[p.prompt][i % 2] for i, p in enumerate(problems)], ["stop"] * len(problems))
+    rows = {(r.level, r.metric): r for r in compliance_rows("arithmetic/constitution", task, sets, load(ARITH), decode, 1,
+                                                            stage="s", checkpoint="c")}
+    # L1: work_shown does not apply (n 0); "So 7" states 7 without work and with filler
+    assert rows[("L1", "comply/work_shown")].n == 0
+    assert (rows[("L1", "comply/answer_from_work")].value, rows[("L1", "comply/no_filler")].value) == (0.5, 0.5)
+    # L3: both show work that computes 693; the second has filler
+    assert (rows[("L3", "comply/work_shown")].value, rows[("L3", "comply/no_filler")].value) == (1.0, 0.5)
+    # pooled over 4 replies: compliant with every applicable principle: the first of each level → 2 of 4
+    assert (rows[(None, "comply/all")].value, rows[(None, "comply/all")].n) == (0.5, 4)
+    assert rows[(None, "accuracy")].value == 1.0  # every reply ends in the right number
