@@ -341,3 +341,42 @@ def test_compliance_rows_per_level_and_pooled():
     # pooled over 4 replies: compliant with every applicable principle: the first of each level → 2 of 4
     assert (rows[(None, "comply/all")].value, rows[(None, "comply/all")].n) == (0.5, 4)
     assert rows[(None, "accuracy")].value == 1.0  # every reply ends in the right number
+
+
+# ---- the shipped recipe, end to end (shrunk) ------------------------------------------------------------------
+@pytest.mark.slow
+def test_constitutional_ai_recipe_end_to_end_shrunk(tmp_path, monkeypatch):
+    """recipes/constitutional-ai.yaml as shipped — its stages, hand-offs and evals — on a tiny model built
+    from scratch, a few examples per stage. The policy's samples are scripted (a random model's replies
+    give a rule nothing to separate), so the SL-CAI revisions and the RL-CAI labels both have work."""
+    from posttrain.pipeline.run import run_pipeline
+    from posttrain.runtime.context import RunContext
+
+    replies = [GOOD, FILLER, GOOD, "<think>5+8=13, 4+4+1=9, 3+3=6</think> 683"]
+    real = RunContext.rollout_engine
+    monkeypatch.setattr(RunContext, "rollout_engine",
+                        lambda self, model, backend="native": ScriptedEngine(real(self, model), lambda k: replies[k % 4]))
+    monkeypatch.chdir(tmp_path)
+    c = str(ARITH)
+    recipe = load_recipe(ROOT / "recipes" / "constitutional-ai.yaml", [
+        "model.init=tiny-1m", "model.vocab_size=400", "telemetry.measure_cpu=false",
+        "evals.0.per_level=2", "evals.0.max_new_tokens=8", "evals.0.samples=2", f"evals.0.constitution={c}",
+        f"stages.0.constitution={c}", "stages.0.data.0.n=8", "stages.0.batch_prompts=4", "stages.0.max_new_tokens=8",
+        "stages.1.steps=2", "stages.1.batch_size=4", "stages.1.save_every=2", "stages.1.optim.warmup_steps=1",
+        f"stages.2.constitution={c}", "stages.2.data.0.n=8", "stages.2.batch_prompts=4", "stages.2.max_new_tokens=8",
+        "stages.3.steps=2", "stages.3.batch_size=4", "stages.3.save_every=2", "stages.3.optim.warmup_steps=1"])
+    run_dir = tmp_path / "runs" / "constitutional-ai"
+    run_pipeline(recipe, run_dir)
+    for stage in ("sl_cai_data", "sl_cai", "rl_cai_data", "rl_cai"):
+        assert (run_dir / "checkpoints" / stage / "final" / "manifest.json").is_file(), stage
+    assert len(read_jsonl(run_dir / "data" / "sl_cai.jsonl", "sft").records) == 8  # every scripted reply is revisable
+    assert (run_dir / "data" / "sl_cai_data.records.jsonl").is_file() and (run_dir / "data" / "rl_cai_data.records.jsonl").is_file()
+    assert read_jsonl(run_dir / "data" / "rl_cai.jsonl", "preference").records
+    evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+    got = {(e["stage"], e["eval"], e["metric"]) for e in evals if e["level"] is None}
+    for stage in ("sl_cai_data", "sl_cai", "rl_cai"):  # compliance (greedy and sampled) and accuracy after every stage (a model built from scratch has no "base" row)
+        for ev in ("arithmetic/constitution", "arithmetic/constitution@T1"):
+            assert {(stage, ev, m) for m in ("comply/all", "comply/no_filler", "accuracy")} <= got, (stage, ev)
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [m for m in metrics if m["stage"] == "rl_cai_data" and "cai/agreement" in m][-1]
+    assert rl["cai/agreement"] == 1.0  # the rule judge is the gold
