@@ -124,16 +124,18 @@ def run_constitutional_rl(cfg: ConstitutionalRLStage, ctx: RunContext) -> StageR
 
     # ---- save ----------------------------------------------------------------------------------
     write_jsonl(rec_path, records)
-    if not rows:
-        raise ValueError(f"{stage}: the judge decided none of {len(records)} pairs ({skipped} skipped; records in {rec_path}); "
-                         "nothing to train on (raise samples or temperature, or use another judge)")
-    write_jsonl(out_path, rows)
-    read_jsonl(out_path, "preference")  # the hand-off contract
     agreement = gold_agreement(judgements, gold_1, gold_2)
     summary = {**last, "cai/pairs_skipped": float(skipped), "cai/agreement": agreement.rate, "cai/agreement_se": agreement.se,
                "cai/agreement_n": float(agreement.n), "cai/ties": float(agreement.ties),
-               "cai/unparseable": float(agreement.unparseable), **compliance_rates(verdicts, "cai/comply_samples")}
-    ctx.log(stage, n_steps, summary)
+               "cai/unparseable": float(agreement.unparseable),
+               **({} if agreement.decided_rate is None else {"cai/agreement_decided": agreement.decided_rate}),
+               **compliance_rates(verdicts, "cai/comply_samples")}
+    ctx.log(stage, n_steps, summary)  # the judge's agreement is evidence even when it decided nothing
+    if not rows:
+        raise ValueError(f"{stage}: the judge decided none of {len(records)} pairs ({skipped} skipped; records in {rec_path}; "
+                         f"{agreement.summary()}); nothing to train on (raise samples or temperature, or use another judge)")
+    write_jsonl(out_path, rows)
+    read_jsonl(out_path, "preference")  # the hand-off contract
     ctx.console.print(f"{stage}: {len(rows):,} preference rows → {out_path} from {len(records)} judged pairs ({skipped} skipped); "
                       f"judge vs the rule checker: {agreement.summary()}")
     state = {"stage": stage, "step": n_steps, "data": {"output": str(out_path), "records": str(rec_path), "rows": len(rows),
