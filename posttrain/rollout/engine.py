@@ -50,6 +50,12 @@ class RolloutEngine(Protocol):
         optimizer step inside their `sync` phase, so the move is timed apart from `generate`."""
         ...
 
+    def release_memory(self) -> int:
+        """Free what the engine holds between rollouts in this process (weight copies, decode forms) so
+        the update's memory peak does not hold them; the next `sync_weights` rebuilds them. Returns the
+        bytes freed (0: nothing to free). Stages call it after a rollout, before the update."""
+        ...
+
     def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> Cost:
         """FLOPs and bytes of generating `new_tokens` for `batch` sequences of `prompt_len` (left-padded)
         prompt tokens on this engine's model (`telemetry.costs.decode`)."""

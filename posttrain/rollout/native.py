@@ -27,6 +27,8 @@ per live row per step, only when stop strings are given.
 
 from __future__ import annotations
 
+import ctypes
+
 from collections.abc import Callable, Sequence
 
 import torch
@@ -89,6 +91,15 @@ class HFForward:
     def plan(self, cache: KVCache, key_mask: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
         """One new token per row: `step(tokens (R,), positions (R,))` → logits (R, V) (same as `FusedDecoder.plan`)."""
         return lambda tokens, positions: self(tokens[:, None], positions[:, None], cache, key_mask)
+
+
+def _return_free_memory() -> None:
+    """glibc's `malloc_trim(0)`: hand the heap's free pages back to the OS. Freed tensors below glibc's
+    (dynamic) mmap threshold stay in the heap otherwise, and the process's resident set does not fall."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        pass
 
 
 class NativeEngine:
@@ -173,12 +184,21 @@ class NativeEngine:
         self.update_weights(model_or_state_dict)
         if isinstance(self.step, FusedDecoder):
             with torch.inference_mode():  # the copies were made inside generate's inference mode: rebuild them there
+                rebuilt = self.step.weights.rebuild()  # 0 when never built
                 if self.step.weights.layers:
-                    moved += self.step.weights.rebuild()
+                    moved += rebuilt
                 else:  # the first move: build the copies (the decode forms follow at the first generate)
                     self.step.prepare(1, next(self.model.parameters()).device)
                     moved += self.step.weights.moved_bytes
         return moved
+
+    def release_memory(self) -> int:
+        """Free the fused weight copies and decode forms before the update (`RolloutEngine.release_memory`);
+        the next `sync_weights` rebuilds them. Returns the bytes freed (0 on the HF-forward path)."""
+        freed = self.step.weights.release() if isinstance(self.step, FusedDecoder) else 0
+        if freed:
+            _return_free_memory()
+        return freed
 
     def memory_bytes(self) -> dict[str, int]:
         """What this engine holds beside the model: fused weight copies and the last KV cache (bytes)."""

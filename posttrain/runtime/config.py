@@ -186,6 +186,7 @@ class GRPOStage(TrainStage):
     max_rounds: int = Field(4, gt=0, description="generation rounds per rollout batch at most when refilling")
     mask_truncated: bool = Field(False, description="leave samples cut by max_new_tokens out of the loss (DAPO overlong filtering)")
     backend: Literal["native", "hf", "vllm"] = Field("native", description="rollout engine (vllm: a CUDA GPU and the vllm extra; checked before the run starts)")
+    release_rollout_memory: bool = Field(True, description="free the rollout engine's weight copies and decode forms before each update (the sync after it rebuilds them, as it must anyway): the update's memory peak holds none of them (docs/performance.md)")
     share_prompt: bool = Field(True, description="update and reference forwards lay a group out as [prompt | c_1 | … | c_G], the prompt once (exact up to round-off; G·(P + N) → P + G·N tokens)")
     eval_problems: int = Field(100, gt=0, description="held-out problems per eval level for the in-stage greedy eval (eval_every)")
     env: EnvSpec | None = Field(None, description="multi-turn: each sample is an episode in this environment, max_new_tokens is per turn, the loss falls on the model's tokens only (docs/envs.md)")
@@ -278,6 +279,7 @@ class PPOStage(TrainStage):
     """PPO-RLHF against a reward model under a KL penalty to the start policy (docs/preference.md)."""
 
     stage: Literal["ppo"] = "ppo"
+    release_rollout_memory: bool = Field(True, description="free the rollout engine's weight copies and decode forms before each update (the sync after it rebuilds them, as it must anyway): the update's memory peak holds none of them (docs/performance.md)")
     reward_model: str = Field("reward_model", description="the reward_model stage's folder in this run, or a path to a reward-model checkpoint")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-5, warmup_steps=5, min_lr_ratio=1.0), description="the policy's AdamW (the schedule counts iterations); larger lr games the reward model sooner")
     data: list[DataSource] = Field(min_length=1, description="prompts (a task's problems, or JSONL in the `problem` schema)")

@@ -416,6 +416,8 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                 t0 = time.perf_counter()
                 b, got = collect(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler, step, env)
                 metrics = dict(got)
+                if cfg.release_rollout_memory:  # the engine's weight copies leave the update's memory peak; sync rebuilds them
+                    engine.release_memory()
                 rows = ctx.ranks.sum({"rows": 0 if b is None else len(b)})["rows"]  # every rank's usable rows
                 if b is None and rows > 0:  # data-parallel: other ranks have rows, this one joins with none
                     b = GroupBatch.empty()
