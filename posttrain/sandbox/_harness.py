@@ -157,7 +157,7 @@ def main():
         if spec["kind"] == "stdio":
             run_stdio(spec, namespace, emit)
         elif spec["kind"] == "session":
-            run_session(cells, namespace, emit)
+            run_session(cells, namespace, emit, audit)
         else:
             run_calls(spec, namespace, emit)
     except MemoryError:
@@ -233,10 +233,11 @@ def read_cell(fd):
     return body.decode("utf-8", "replace")
 
 
-def run_session(fd, namespace, emit):
+def run_session(fd, namespace, emit, audit=None):
     """Cells until EOF, like a notebook: one namespace; a cell whose last statement is an expression
     prints its repr (unless None). An exception (SystemExit included) is that cell's error; the session
-    goes on. Each cell ends with `{"cell_done": k}`, written after stdout and stderr are flushed."""
+    goes on. Each cell ends with `{"cell_done": k}` (with the audit's running probe total), written after
+    stdout and stderr are flushed."""
     import _ast  # built in: the cell's statements without importing `ast`
 
     k = 0
@@ -263,7 +264,7 @@ def run_session(fd, namespace, emit):
                 stream.flush()
             except BaseException:
                 pass
-        emit({"cell_done": k})
+        emit({"cell_done": k} if audit is None else {"cell_done": k, "probes": audit.count})
         k += 1
 
 
@@ -271,6 +272,9 @@ def run_session(fd, namespace, emit):
 
 CANDIDATE_FILES = ("<candidate>", "<setup>", "<cell ")  # code objects the candidate wrote (and <test i>)
 MAX_PROBE_RECORDS = 16
+# modules between the candidate and the event (`os.getenv`, `Mapping.get`, `inspect.stack`); frozen
+# modules (3.11+) are named "<frozen os>"
+PASS_THROUGH = ("/os.py", "/inspect.py", "/_collections_abc.py", "<frozen os>", "<frozen _collections_abc>")
 FRAME_ATTRS = ("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back")
 ALWAYS = ("gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
           "sys.settrace", "sys.setprofile", "sys.addaudithook", "sys._getframemodulename")
@@ -298,6 +302,7 @@ class Audit:
         self.work = None if cwd == own else cwd  # the unsafe backend's cwd holds the harness's files
         self.cwd = cwd
         self.own = own
+        self.own_files = tuple(own + "/" + f for f in ("harness.py", "spec.marshal", "stdin"))
         self.devices = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
 
     def install(self):
@@ -346,8 +351,10 @@ class Audit:
         path = os.path.normpath(path)
         if path in self.devices:
             return False
-        if path == self.own or path.startswith(self.own + "/"):
+        if path == self.own or path in self.own_files:
             return True  # the harness's own files: what a program that looks for its tests reads first
+        if path.startswith(self.own + "/"):
+            return False  # the unsafe backend's work directory: besides those, the program's own files
         for root in self.roots:
             if path == root or path.startswith(root + "/"):
                 return False
@@ -361,7 +368,7 @@ class Audit:
         f = sys._getframe(skip)
         while f is not None:
             name = f.f_code.co_filename
-            if name.endswith(("/os.py", "/inspect.py", "/_collections_abc.py")):
+            if name.endswith(PASS_THROUGH):
                 f = f.f_back
                 continue
             return name.startswith(CANDIDATE_FILES) or name.startswith("<test ")
