@@ -34,6 +34,7 @@ class StepResult:
     done: bool = False           # the episode is over (no further turn is generated)
     tool_calls: int = 0          # tool calls in the turn that parsed and ran (whatever their result)
     tool_errors: int = 0         # malformed calls, unknown tools, tools that failed, timed out or were capped
+    hidden_probes: int = 0       # the turn's programs' attempts to read what they were not given (tests, frames, env)
 
 
 @runtime_checkable
@@ -45,6 +46,14 @@ class Environment(Protocol):
     def step(self, assistant_message: str) -> StepResult:
         """The model's turn (its text) → what the environment adds, a reward or None, and done."""
         ...
+
+
+def close_environment(env: Environment) -> None:
+    """End what one episode's environment holds (a Python session), if it holds anything: the episode
+    loop calls it when the episode ends, whatever ended it."""
+    close = getattr(env, "close", None)
+    if close is not None:
+        close()
 
 
 EnvFactory = Callable[[], Environment]  # a fresh environment per episode (environments hold state)

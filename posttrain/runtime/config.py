@@ -176,7 +176,7 @@ class GRPOStage(TrainStage):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass of the rollouts (1 = off)")
     max_new_tokens: int = Field(48, gt=0, description="completion budget per sample")
     max_prompt_len: int = Field(64, gt=0, description="longest prompt in tokens (longer ones are an error)")
-    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="math")], min_length=1, description="verifiers summed into the reward")
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="math")], description="verifiers summed into the reward (empty only with `env`: the environment's reward alone)")
     pass_threshold: float = Field(0.5, description="a sample passes when the first listed verifier scores at least this")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL-to-reference coefficient in the loss (0: no reference pass)")
     clip_low: float | None = Field(None, gt=0, lt=1, description="ratio floor 1 − clip_low (None: the loss's default)")
@@ -192,6 +192,9 @@ class GRPOStage(TrainStage):
 
     @model_validator(mode="after")
     def _grpo_shapes(self) -> GRPOStage:
+        if not self.rewards and self.env is None:
+            raise ValueError("rewards is empty: nothing would score the samples (an empty list is for `env`, "
+                             "whose environment gives the reward)")
         if self.env is not None and self.dynamic_sampling:
             raise ValueError("dynamic_sampling is not supported with env yet (episodes are one round per rollout)")
         if self.batch_size % self.group_size:
