@@ -1,0 +1,266 @@
+"""The `code-tools` task: generated problems and a user's JSONL (validated), the environment's tools
+(`run_tests`, a Python session per episode) and their failure modes, hidden tests deciding the reward
+in the sandbox, probes for the hidden tests counted on real programs, and real multi-turn episodes
+whose loss mask is 0 on everything the environment wrote — bubblewrap, and the unsafe backend."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from posttrain.data.records import Problem
+from posttrain.envs import Budget, EpisodeEnd, format_call, run_episodes
+from posttrain.rollout import SamplingParams
+from posttrain.rollout.output import Rollout
+from posttrain.tasks import Capability, build_task
+from posttrain.tasks.code_tools import CodeProblemError, read_code_problems
+from posttrain.worlds.code_functions import LEVELS, generate, reference
+
+LIMITS = {"timeout_s": 2.0, "memory_bytes": 512 << 20, "output_bytes": 64 << 10, "processes": 8}
+BACKENDS = ["bubblewrap", pytest.param("unsafe-subprocess", marks=pytest.mark.filterwarnings("ignore::UserWarning"))]
+
+
+def _backend_or_skip(name: str) -> None:
+    if name == "bubblewrap" and shutil.which("bwrap") is None:
+        pytest.skip("bwrap is not installed here (apt-get install -y bubblewrap)")
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def factory(request):
+    _backend_or_skip(request.param)
+    f = build_task("code-tools").environment(sandbox=request.param, limits=LIMITS, concurrency=2)
+    yield f
+    f.close()
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return build_task("code-tools").records("problem", 9)
+
+
+def call(name: str, code: str) -> str:
+    return format_call(name, {"code": code})
+
+
+# ---- problems ------------------------------------------------------------------------------------
+def test_generated_problems_are_seeded_levelled_and_their_reference_passes():
+    a, b = generate(9, seed=0), generate(9, seed=0)
+    assert a == b and generate(9, seed=1) != a
+    assert {f.level for f in a} == set(LEVELS)
+    for f in a:
+        assert len(f.visible) == 2 and len(f.hidden) == 6 and not set(f.visible) & set(f.hidden)
+        fn = reference(f.solution, f.name)
+        for t in f.visible + f.hidden:  # the asserts hold for the reference (trusted source, here)
+            exec(t, {f.name: fn})
+    f = generate(1, seed=0, levels=["C1"], stream="problem-0")[0]
+    # scale_shift with a = 2, b = -1 (seed 0): 16·2 − 1 = 31
+    assert f.name == "scale_shift" and f.visible[0] == "assert scale_shift(16) == 31"
+
+
+def test_a_problem_carries_hidden_tests_apart_from_the_prompt(problems):
+    t = build_task("code-tools")
+    assert {Capability.PROBLEMS, Capability.ENV} <= t.capabilities
+    for p in problems:
+        assert all(v in p.prompt for v in p.meta["visible"])
+        assert not any(h in p.prompt for h in p.tests)  # the hidden asserts are never shown
+
+
+def test_a_user_file_is_read_and_a_bad_row_names_file_line_and_field(tmp_path):
+    good = {"prompt": "def add(a, b):\n    \"\"\"Return a + b.\"\"\"", "entry_point": "add",
+            "visible_tests": ["assert add(1, 2) == 3"], "hidden_tests": ["assert add(-1, 1) == 0"], "level": "easy"}
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps({**good, "name": "add2"}) + "\n")
+    ps = read_code_problems(path)
+    assert len(ps) == 2 and ps[0].tests == ["assert add(-1, 1) == 0"] and "assert add(1, 2) == 3" in ps[0].prompt
+    bad = {"hidden_tests": [], "visible_tests": ["add(1, 2) == 3"], "entry_point": "1add", "color": "red"}
+    for row, line, want in [({k: v for k, v in good.items() if k != "hidden_tests"}, 2, "missing field 'hidden_tests'"),
+                            ({**good, "hidden_tests": []}, 2, "field 'hidden_tests': expected a non-empty list"),
+                            ({**good, "visible_tests": ["add(1, 2) == 3"]}, 2, r"field 'visible_tests'\[0\]"),
+                            ({**good, "hidden_tests": ["assert sub(1, 2) == 3"]}, 2, "does not call the entry point"),
+                            ({**good, "entry_point": "1add"}, 2, "not a Python name"),
+                            ({**good, "color": "red"}, 2, "unknown field 'color'"),
+                            ({**good, "level": 3}, 2, "field 'level': expected str")]:
+        path.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+        with pytest.raises(CodeProblemError, match=f"mine.jsonl:{line}: .*{want}" if line else want):
+            read_code_problems(path)
+    assert bad  # (the shapes above, one per error)
+    path.write_text("{not json\n")
+    with pytest.raises(CodeProblemError, match="mine.jsonl:1: not JSON"):
+        read_code_problems(path)
+
+
+# ---- the environment: tools, reward, failure modes -----------------------------------------------
+def test_run_tests_reports_each_visible_test_and_the_answer_is_judged_on_hidden_tests(factory, problems):
+    p = problems[0]  # scale_shift: x * 2 + (-1)
+    env = factory()
+    env.reset(p)
+    r = env.step(call("run_tests", "def scale_shift(x):\n    return x"))
+    assert r.new_messages[0].content == ("assert scale_shift(16) == 31: FAIL (got 16)\n"
+                                         "assert scale_shift(45) == 89: FAIL (got 45)\n0/2 visible tests passed")
+    assert (r.done, r.reward, r.tool_calls, r.tool_errors, r.hidden_probes) == (False, 0.0, 1, 0, 0)
+    # right on x ≥ 9 only: hidden inputs (seed 0) 9, 48, 7, -39, … — the reward is the fraction passed
+    answer = "Here it is:\n```python\ndef scale_shift(x):\n    return 2 * x - 1 if x >= 9 else 0\n```"
+    r = env.step(answer)
+    hidden = [int(t.split("(")[1].split(")")[0]) for t in p.tests]
+    assert r.done and r.reward == pytest.approx(sum(x >= 9 for x in hidden) / 6) and 0 < r.reward < 1
+    env.close()
+
+
+def test_the_last_code_block_of_the_final_turn_is_the_answer(factory, problems):
+    f = generate(1, seed=0, stream="problem-0")[0]
+    env = factory()
+    env.reset(problems[0])
+    wrong = "```python\ndef scale_shift(x):\n    return 0\n```"
+    assert env.step(f"```python\n{f.solution}```\nor\n{wrong}").reward == 0.0  # the last block: wrong
+    env = factory()
+    env.reset(problems[0])
+    assert env.step(f"{wrong}\nbetter:\n```python\n{f.solution}```").reward == 1.0
+    all_or_nothing = build_task("code-tools").environment(sandbox=factory.tools[0].backend, reward="all")
+    env = all_or_nothing()
+    env.reset(problems[0])
+    assert env.step("```python\ndef scale_shift(x):\n    return 2 * x - 1 if x >= 9 else 0\n```").reward == 0.0
+    all_or_nothing.close()
+
+
+def test_malformed_calls_hangs_and_floods_are_messages_and_errors(factory, problems):
+    env = factory()
+    env.reset(problems[0])
+    r = env.step('<tool_call>{"name": "run_tests", "arguments": {"code": 1}}</tool_call><tool_call>{oops')
+    assert r.tool_errors == 2 and not r.done and "run_tests takes exactly" in r.new_messages[0].content
+    assert "no closing </tool_call> tag" in r.new_messages[1].content
+    t0 = time.monotonic()
+    r = env.step(call("run_tests", "def scale_shift(x):\n    while True:\n        pass"))
+    assert r.tool_errors == 1 and "timeout" in r.new_messages[0].content and time.monotonic() - t0 < 2 + 8
+    r = env.step(call("run_tests", "import sys\nsys.stdout.write('x' * 10_000_000)\ndef scale_shift(x):\n    return x"))
+    assert r.tool_errors == 1 and "output_limit" in r.new_messages[0].content
+    r = env.step(call("python", "import sys\nsys.stdout.write('x' * 10_000_000)"))
+    # the sandbox stops at 64 KiB and the session is reset; the chat gets at most 2,000 characters and a note
+    assert r.tool_errors == 1 and len(r.new_messages[0].content) < 2100 and "truncated" in r.new_messages[0].content
+    env.close()
+
+
+def test_the_python_session_keeps_state_within_an_episode_and_resets_on_a_timeout(factory, problems):
+    host = factory.tools[1]
+    env = factory()
+    env.reset(problems[0])
+    r = env.step(call("python", "x = 41\ndef double(v):\n    return 2 * v") + call("python", "double(x + 1)"))
+    assert [m.content for m in r.new_messages] == ["", "84\n"] and r.tool_errors == 0  # 2 · (41 + 1)
+    other = factory()  # another episode: a fresh interpreter
+    other.reset(problems[1])
+    assert "NameError" in other.step(call("python", "x")).new_messages[0].content
+    assert host.live == 2
+    r = env.step(call("python", "while True:\n    pass"))
+    assert r.tool_errors == 1 and "timed out after 2 s; the session was reset" in r.new_messages[0].content
+    r = env.step(call("python", "x"))
+    assert "NameError" in r.new_messages[0].content  # the reset session starts empty
+    env.close()
+    other.close()
+    assert host.live == 0
+
+
+PROBES = {
+    "reads the tests file": "print(open('/job/spec.marshal', 'rb').read()[:10])",
+    "walks the filesystem": "import os\nfor d, _, fs in os.walk('/'):\n    if d.count('/') > 2:\n        break",
+    "inspects its caller's frame": "import sys\nprint(list(sys._getframe(1).f_locals))",
+    "walks frames through inspect": "import inspect\nprint([f.filename for f in inspect.stack()])",
+    "reads env vars": "import os\nprint(os.environ.get('HIDDEN_TESTS'), dict(os.environ))",
+    "lists every object": "import gc\nprint(len(gc.get_objects()))",
+}
+HONEST = ("import collections, dataclasses, enum, functools, json, re\nP = collections.namedtuple('P', 'a b')\n"
+          "@dataclasses.dataclass\nclass D:\n    x: int = 0\nclass E(enum.Enum):\n    A = 1\n"
+          "try:\n    int('x')\nexcept ValueError as e:\n    pass\nopen('mine.txt', 'w').write('ok')\n"
+          "print(P(1, 2), D(), E.A, json.dumps([1]), re.findall('[0-9]', 'a1'), open('mine.txt').read())")
+
+
+@pytest.mark.parametrize("tool", ["run_tests", "python"])
+def test_programs_that_probe_for_the_hidden_tests_are_counted_and_find_nothing(factory, problems, tool):
+    env = factory()
+    env.reset(problems[0])
+    honest = env.step(call(tool, HONEST))
+    assert honest.hidden_probes == 0, honest.new_messages  # imports, namedtuple, dataclass, its own file
+    for what, code in PROBES.items():
+        r = env.step(call(tool, code + "\ndef scale_shift(x):\n    return x"))
+        assert r.hidden_probes >= 1, what
+        assert "scale_shift(9)" not in r.new_messages[0].content  # the hidden calls are never in a tool's sandbox
+    env.close()
+
+
+def test_an_answer_that_probes_is_counted_and_still_judged(factory, problems):
+    f = generate(1, seed=0, stream="problem-0")[0]
+    env = factory()
+    env.reset(problems[0])
+    r = env.step(f"```python\nimport gc\nSEEN = len(gc.get_objects())\n{f.solution}```")
+    assert r.done and r.reward == 1.0 and r.hidden_probes == 1
+
+
+# ---- real episodes: the loss mask ----------------------------------------------------------------
+class ScriptedEngine:
+    """A RolloutEngine that "samples" scripted turns (row r's k-th turn: script[r][k]) as token ids,
+    EOS-terminated, log-probs −1: exact control of what the model wrote."""
+
+    name = "scripted"
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.turn = tok, script, {}
+        self.pad_id, self.eos_ids = tok.pad_token_id, [tok.convert_tokens_to_ids("<|im_end|>")]
+        self.by_prompt: dict[tuple, int] = {}
+
+    def decode_cost(self, **_):
+        return None
+
+    def generate(self, prompts, params):
+        rows = []
+        for p in prompts:
+            firsts = [f for f in self.by_prompt if tuple(p[:len(f)]) == f]  # the episode's first prompt
+            if not firsts:
+                self.by_prompt[tuple(p)] = len(self.by_prompt)
+                firsts = [tuple(p)]
+            key = self.by_prompt[firsts[0]]
+            k = self.turn.get(key, 0)
+            self.turn[key] = k + 1
+            ids = self.tok(self.script[key][k], add_special_tokens=False)["input_ids"] + self.eos_ids
+            rows.append((p, ids, self.script[key][k]))
+        n, width = len(rows), max(len(r[1]) for r in rows)
+        pw = max(len(r[0]) for r in rows)
+        comp = torch.full((n, width), self.pad_id)
+        cmask = torch.zeros((n, width), dtype=torch.bool)
+        pids = torch.full((n, pw), self.pad_id)
+        for j, (p, ids, _) in enumerate(rows):
+            comp[j, :len(ids)] = torch.tensor(ids)
+            cmask[j, :len(ids)] = True
+            pids[j, pw - len(p):] = torch.tensor(p)
+        lp = torch.where(cmask, -1.0, 0.0)
+        return Rollout(pids, pids != self.pad_id, comp, cmask, lp, lp.clone(), ["stop"] * n, torch.arange(n),
+                       [r[2] for r in rows])
+
+
+def test_on_real_episodes_the_mask_is_0_on_everything_the_environment_wrote(factory, problems):
+    from posttrain.models import train_tokenizer
+
+    tok = train_tokenizer(build_task("code-tools").tokenizer_texts()[:200], vocab_size=512)
+    f = generate(2, seed=0, stream="problem-0")
+    script = [[call("run_tests", "def scale_shift(x):\n    return x"), call("python", "y = 3") + call("python", "y * 2"),
+               f"```python\n{f[0].solution}```"],
+              [f"```python\n{f[1].solution}```"]]
+    engine = ScriptedEngine(tok, script)
+    run = run_episodes(engine, tok, factory, problems[:2], budget=Budget(max_turns=4, max_tokens=2048, turn_tokens=512),
+                       params=SamplingParams(temperature=1.0, seed=0))
+    a, b = run.episodes
+    assert (a.turns, a.tool_calls, a.end, a.reward) == (3, 3, EpisodeEnd.DONE, 1.0)
+    assert (b.turns, b.tool_calls, b.reward) == (1, 0, 1.0)
+    for e in run.episodes:
+        ids, mask = e.token_ids.tolist(), e.model_mask.tolist()
+        assert mask == [any(s <= t < t2 for s, t2 in e.turn_spans) for t in range(len(ids))]  # token by token
+        for k, (s, t2) in enumerate(e.turn_spans):  # the model's tokens are exactly the script's
+            assert tok.decode(ids[s:t2], skip_special_tokens=False) == script[e.problem_index][k] + "<|im_end|>"
+    # what the environment wrote between turns, by hand (ChatML): tool results, test reports — all mask 0
+    between = tok.decode(a.token_ids[a.turn_spans[0][1]:a.turn_spans[1][0]].tolist(), skip_special_tokens=False)
+    assert between == ("\n<|im_start|>tool\nassert scale_shift(16) == 31: FAIL (got 16)\nassert scale_shift(45) == 89: "
+                       "FAIL (got 45)\n0/2 visible tests passed<|im_end|>\n<|im_start|>assistant\n")
+    between = tok.decode(a.token_ids[a.turn_spans[1][1]:a.turn_spans[2][0]].tolist(), skip_special_tokens=False)
+    assert between == "\n<|im_start|>tool\n<|im_end|>\n<|im_start|>tool\n6\n<|im_end|>\n<|im_start|>assistant\n"  # 3 · 2
+    assert factory.tools[1].live == 0  # each episode's session closed when it ended
