@@ -145,6 +145,7 @@ def test_malformed_calls_hangs_and_floods_are_messages_and_errors(factory, probl
 
 def test_the_python_session_keeps_state_within_an_episode_and_resets_on_a_timeout(factory, problems):
     host = factory.tools[1]
+    before = host.live  # sessions other tests' episodes left open (the factory closes them at the end)
     env = factory()
     env.reset(problems[0])
     r = env.step(call("python", "x = 41\ndef double(v):\n    return 2 * v") + call("python", "double(x + 1)"))
@@ -152,14 +153,14 @@ def test_the_python_session_keeps_state_within_an_episode_and_resets_on_a_timeou
     other = factory()  # another episode: a fresh interpreter
     other.reset(problems[1])
     assert "NameError" in other.step(call("python", "x")).new_messages[0].content
-    assert host.live == 2
+    assert host.live == before + 2
     r = env.step(call("python", "while True:\n    pass"))
     assert r.tool_errors == 1 and "timed out after 2 s; the session was reset" in r.new_messages[0].content
     r = env.step(call("python", "x"))
     assert "NameError" in r.new_messages[0].content  # the reset session starts empty
     env.close()
     other.close()
-    assert host.live == 0
+    assert host.live == before
 
 
 PROBES = {
@@ -247,6 +248,7 @@ def test_on_real_episodes_the_mask_is_0_on_everything_the_environment_wrote(fact
                f"```python\n{f[0].solution}```"],
               [f"```python\n{f[1].solution}```"]]
     engine = ScriptedEngine(tok, script)
+    before = factory.tools[1].live
     run = run_episodes(engine, tok, factory, problems[:2], budget=Budget(max_turns=4, max_tokens=2048, turn_tokens=512),
                        params=SamplingParams(temperature=1.0, seed=0))
     a, b = run.episodes
@@ -263,4 +265,4 @@ def test_on_real_episodes_the_mask_is_0_on_everything_the_environment_wrote(fact
                        "FAIL (got 45)\n0/2 visible tests passed<|im_end|>\n<|im_start|>assistant\n")
     between = tok.decode(a.token_ids[a.turn_spans[1][1]:a.turn_spans[2][0]].tolist(), skip_special_tokens=False)
     assert between == "\n<|im_start|>tool\n<|im_end|>\n<|im_start|>tool\n6\n<|im_end|>\n<|im_start|>assistant\n"  # 3 · 2
-    assert factory.tools[1].live == 0  # each episode's session closed when it ended
+    assert factory.tools[1].live == before  # each episode's session closed when it ended
