@@ -266,3 +266,40 @@ def test_on_real_episodes_the_mask_is_0_on_everything_the_environment_wrote(fact
     between = tok.decode(a.token_ids[a.turn_spans[1][1]:a.turn_spans[2][0]].tolist(), skip_special_tokens=False)
     assert between == "\n<|im_start|>tool\n<|im_end|>\n<|im_start|>tool\n6\n<|im_end|>\n<|im_start|>assistant\n"  # 3 · 2
     assert factory.tools[1].live == before  # each episode's session closed when it ended
+
+
+# ---- the session in the `tools` environment, and factory.close() -------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_tools_environment_has_the_session_option_and_close_ends_every_session(backend):
+    from posttrain.envs import build_environment
+
+    _backend_or_skip(backend)
+    f = build_environment("tools", tools=["python"], python_session=True, sandbox=backend, python_limits=LIMITS)
+    host = f.tools[0]
+    envs = [f() for _ in range(2)]
+    for env in envs:
+        env.reset(Problem("go"))
+    r = envs[0].step(call("python", "import math\nr = math.isqrt(50)") + call("python", "r * r"))
+    assert r.new_messages[1].content == "49\n"  # isqrt(50) = 7, 7 · 7 = 49: the first call's state, in the second
+    assert "NameError" in envs[1].step(call("python", "r")).new_messages[0].content  # a fresh session per episode
+    pids = [e.tools["python"].session._run.proc.pid for e in envs]
+    assert host.live == 2 and host.started == 2
+    f.close()  # ends every session still open (an episode loop that raised never closed its environments)
+    assert host.live == 0 and all(e.tools["python"].session._run is None for e in envs)
+    for pid in pids:  # the sandbox processes are gone (reaped)
+        with pytest.raises(ChildProcessError):
+            __import__("os").waitpid(pid, __import__("os").WNOHANG)
+
+
+def test_the_evals_run_greedy_episodes_and_report_pass_and_tool_use():
+    from posttrain.models import build_tiny, train_tokenizer
+    from posttrain.tasks import EvalRequest
+
+    task = build_task("code-tools")
+    tok = train_tokenizer(task.tokenizer_texts()[:200], vocab_size=512)
+    model = build_tiny("tiny-1m", vocab_size=len(tok), seed=0, pad_token_id=tok.pad_token_id,
+                       eos_token_id=tok.eos_token_id, max_seq_len=512)
+    rows = task.evaluate(model, tok, EvalRequest(levels=("C1",), per_level=2, max_new_tokens=8), stage="s", checkpoint="c")
+    # a random model writes no passing function in 8 tokens and calls no tool (no parseable call): 0 of 2 each
+    assert [(r.level, r.metric, r.value, r.n) for r in rows] == [("C1", "pass", 0.0, 2), ("C1", "tool_use", 0.0, 2)]
+    assert task.eval_problems("C1")[0] != task.records("problem", 1, levels=["C1"])[0]  # another draw

@@ -9,6 +9,11 @@ schema below) instead. What the task supplies:
 - `env`: the code environment (`envs/code_env.py`): tools `run_tests` (visible tests) and `python`
   (a session per episode by default); the answer is the last fenced code block of the turn without
   a tool call; reward = fraction of hidden tests passed (`reward: all`: all or nothing);
+- `evals`: greedy episodes in that environment on held-out problems per level (generated: a separate
+  seeded draw, `EVAL_PER_LEVEL` per level; a file: its rows): `pass` (every hidden test passed, the
+  episode ended with an answer) and `tool_use` (share of episodes with a tool call), per level and
+  pooled. Families with few constants repeat across draws (`running_max` and `run_lengths` have
+  none: their held-out problems differ from training ones only in their tests);
 - `tokenizer_texts`: prompts and reference solutions, for a tiny model's tokenizer.
 
 JSONL schema, one problem per line (every key but `level` and `name` required; others are errors):
@@ -26,20 +31,28 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
+from contextlib import nullcontext
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from posttrain.data.records import Problem, Record
-from posttrain.envs import EnvironmentFactory
+import torch
+
+from posttrain.envs import Budget, EnvironmentFactory, EpisodeEnd, run_episodes
 from posttrain.envs.code_env import build_code_environment
+from posttrain.rollout import SamplingParams, make_engine
 from posttrain.sandbox import parse_assert
-from posttrain.tasks.base import Capability, Task, TaskError
+from posttrain.tasks.base import Capability, EvalRequest, PhaseFn, Task, TaskError
+from posttrain.tasks.evaluate import eval_sets, rate
+from posttrain.tasks.records import EvalRecord
 from posttrain.worlds.code_functions import LEVELS, CodeFunction, generate
 
 NAME = "code-tools"
 FIELDS = {"prompt": str, "entry_point": str, "visible_tests": list, "hidden_tests": list, "level": str, "name": str}
 REQUIRED = ("prompt", "entry_point", "visible_tests", "hidden_tests")
+EVAL_PER_LEVEL = 50  # generated held-out problems per level
+EVAL_TURNS = 3       # e.g. run_tests, python, answer
 
 
 class CodeProblemError(TaskError):
@@ -109,7 +122,7 @@ def read_code_problems(path: str | Path) -> list[Problem]:
 
 class CodeToolsTask(Task):
     name = NAME
-    capabilities = frozenset({Capability.PROBLEMS, Capability.ENV, Capability.TOKENIZER})
+    capabilities = frozenset({Capability.PROBLEMS, Capability.ENV, Capability.TOKENIZER, Capability.EVALS})
 
     def __init__(self, *, seed: int = 0, path: str | Path | None = None, env: dict[str, Any] | None = None):
         self._seed, self.path, self.env_defaults = seed, path, dict(env or {})
@@ -134,6 +147,51 @@ class CodeToolsTask(Task):
     def environment(self, **params: Any) -> EnvironmentFactory:
         """The code environment (`envs/code_env.py`); `params` override the task's defaults."""
         return build_code_environment(**{**self.env_defaults, **params})
+
+    # ---- evals -----------------------------------------------------------------------------------
+    def eval_problems(self, level: str | None) -> list[Problem]:
+        if self.file_problems is not None:
+            return [p for p in self.file_problems if level is None or str(p.level) == level]
+        if level not in LEVELS:
+            raise TaskError(f"task {NAME!r}: unknown level {level!r}; expected one of {list(LEVELS)}")
+        fns = generate(EVAL_PER_LEVEL, seed=self._seed, levels=[level], stream="eval")
+        return [as_problem(f, f"{NAME}.eval[{level}][{i}]") for i, f in enumerate(fns)]
+
+    @torch.no_grad()
+    def evaluate(self, model: Any, tok: Any, request: EvalRequest, *, stage: str, checkpoint: str,
+                 phase: PhaseFn | None = None) -> list[EvalRecord]:
+        """Greedy episodes (≤ 3 turns of ≤ `max_new_tokens`, the model's context in all): `pass` — the
+        episode ended with an answer that passed every hidden test — and `tool_use`, per level and pooled."""
+        if request.k:
+            raise TaskError(f"task {NAME!r}: sampled pass@k over episodes is not built; evaluate it greedy (no `k`)")
+        sets = eval_sets(self, request)
+        engine = make_engine("native", model, tok)
+        budget = Budget(max_turns=EVAL_TURNS, max_tokens=int(model.config.max_position_embeddings),
+                        turn_tokens=request.max_new_tokens)
+        factory = self.environment()
+        out: list[EvalRecord] = []
+        hits_all = used_all = total = 0
+        was_training = model.training
+        model.eval()
+        try:
+            for level, problems in sets.items():
+                hits = used = 0
+                for i in range(0, len(problems), request.batch_size):
+                    chunk = problems[i: i + request.batch_size]
+                    run = run_episodes(engine, tok, factory, chunk, budget=budget, params=SamplingParams(temperature=0.0),
+                                       phase=lambda name: phase() if phase is not None else nullcontext())
+                    hits += sum(e.end is EpisodeEnd.DONE and e.reward == 1.0 for e in run.episodes)
+                    used += sum(e.tool_calls > 0 for e in run.episodes)
+                out.append(rate(stage, checkpoint, NAME, level, "pass", hits, len(problems)))
+                out.append(rate(stage, checkpoint, NAME, level, "tool_use", used, len(problems)))
+                hits_all, used_all, total = hits_all + hits, used_all + used, total + len(problems)
+        finally:
+            factory.close()
+            model.train(was_training)
+        if len(sets) > 1:
+            out.append(rate(stage, checkpoint, NAME, None, "pass", hits_all, total))
+            out.append(rate(stage, checkpoint, NAME, None, "tool_use", used_all, total))
+        return out
 
     def tokenizer_texts(self) -> list[str]:
         rng = random.Random(f"{self._seed}-code-tokenizer")
