@@ -65,29 +65,27 @@ def test_a_problem_carries_hidden_tests_apart_from_the_prompt(problems):
     t = build_task("code-tools")
     assert {Capability.PROBLEMS, Capability.ENV} <= t.capabilities
     for p in problems:
-        assert all(v in p.prompt for v in p.meta["visible"])
+        assert all(v in p.prompt for v in p.meta["visible_tests"])
         assert not any(h in p.prompt for h in p.tests)  # the hidden asserts are never shown
 
 
 def test_a_user_file_is_read_and_a_bad_row_names_file_line_and_field(tmp_path):
     good = {"prompt": "def add(a, b):\n    \"\"\"Return a + b.\"\"\"", "entry_point": "add",
-            "visible_tests": ["assert add(1, 2) == 3"], "hidden_tests": ["assert add(-1, 1) == 0"], "level": "easy"}
+            "visible_tests": ["assert add(1, 2) == 3"], "tests": ["assert add(-1, 1) == 0"], "level": "easy"}
     path = tmp_path / "mine.jsonl"
     path.write_text(json.dumps(good) + "\n\n" + json.dumps({**good, "name": "add2"}) + "\n")
     ps = read_code_problems(path)
-    assert len(ps) == 2 and ps[0].tests == ["assert add(-1, 1) == 0"] and "assert add(1, 2) == 3" in ps[0].prompt
-    bad = {"hidden_tests": [], "visible_tests": ["add(1, 2) == 3"], "entry_point": "1add", "color": "red"}
-    for row, line, want in [({k: v for k, v in good.items() if k != "hidden_tests"}, 2, "missing field 'hidden_tests'"),
-                            ({**good, "hidden_tests": []}, 2, "field 'hidden_tests': expected a non-empty list"),
+    assert len(ps) == 2 and ps[0].tests == ["assert add(-1, 1) == 0"] and ps[0].meta["visible_tests"] == good["visible_tests"]
+    for row, line, want in [({k: v for k, v in good.items() if k != "tests"}, 2, "missing field 'tests'"),
+                            ({**good, "tests": []}, 2, "field 'tests': expected a non-empty list"),
                             ({**good, "visible_tests": ["add(1, 2) == 3"]}, 2, r"field 'visible_tests'\[0\]"),
-                            ({**good, "hidden_tests": ["assert sub(1, 2) == 3"]}, 2, "does not call the entry point"),
+                            ({**good, "tests": ["assert sub(1, 2) == 3"]}, 2, "does not call the entry point"),
                             ({**good, "entry_point": "1add"}, 2, "not a Python name"),
                             ({**good, "color": "red"}, 2, "unknown field 'color'"),
                             ({**good, "level": 3}, 2, "field 'level': expected str")]:
         path.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
         with pytest.raises(CodeProblemError, match=f"mine.jsonl:{line}: .*{want}" if line else want):
             read_code_problems(path)
-    assert bad  # (the shapes above, one per error)
     path.write_text("{not json\n")
     with pytest.raises(CodeProblemError, match="mine.jsonl:1: not JSON"):
         read_code_problems(path)
@@ -303,3 +301,40 @@ def test_the_evals_run_greedy_episodes_and_report_pass_and_tool_use():
     # a random model writes no passing function in 8 tokens and calls no tool (no parseable call): 0 of 2 each
     assert [(r.level, r.metric, r.value, r.n) for r in rows] == [("C1", "pass", 0.0, 2), ("C1", "tool_use", 0.0, 2)]
     assert task.eval_problems("C1")[0] != task.records("problem", 1, levels=["C1"])[0]  # another draw
+
+
+# ---- a user's file in a recipe: `{path}` problems in `env: {name: code}` --------------------------
+ADD = {"prompt": "Write add(a, b): return a + b.", "entry_point": "add", "visible_tests": ["assert add(1, 2) == 3"],
+       "tests": ["assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}
+
+
+def _file_recipe(folder, rows):
+    from posttrain.runtime.config import Recipe
+
+    folder.mkdir(exist_ok=True)
+    path = folder / "mine.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return Recipe.model_validate({
+        "name": "code-file", "threads": 1, "telemetry": {"measure_cpu": False},
+        "model": {"init": "tiny-1m", "max_seq_len": 512, "vocab_size": 512},
+        # the eval names the code-tools task: a from-scratch tokenizer trains on its texts (a file has none)
+        "evals": [{"task": "code-tools", "levels": ["C1"], "per_level": 1, "max_new_tokens": 8}],
+        "stages": [{"stage": "grpo", "data": [{"path": str(path)}], "rewards": [], "steps": 1, "save_every": 1,
+                    "batch_size": 4, "group_size": 2, "max_new_tokens": 8, "log_every": 1,
+                    "optim": {"lr": 1e-4, "warmup_steps": 0, "min_lr_ratio": 1.0},
+                    "env": {"name": "code", "max_turns": 2, "max_tokens": 512,
+                            "params": {"python": "stateless", "limits": LIMITS}}}]})
+
+
+def test_a_users_file_runs_in_the_code_environment_and_a_bad_row_stops_the_stage(tmp_path):
+    from posttrain.pipeline.run import run_pipeline
+
+    _backend_or_skip("bubblewrap")
+    run_pipeline(_file_recipe(tmp_path / "good", [ADD, {**ADD, "tests": ["assert add(0, 0) == 0"]}]), tmp_path / "run")
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    grpo = [m for m in metrics if m.get("stage") == "grpo"]
+    assert grpo and {"tool/hidden_probe", "episode/tool_calls_mean", "reward/env"} <= set(grpo[0])
+    bad = _file_recipe(tmp_path / "bad", [ADD, {**ADD, "visible_tests": []}])
+    with pytest.raises(ValueError, match=r"mine.jsonl:2: field 'visible_tests': a code problem needs a non-empty list"):
+        run_pipeline(bad, tmp_path / "bad_run")
+    assert not (tmp_path / "bad_run" / "checkpoints" / "grpo").exists()  # stopped before any step

@@ -9,8 +9,9 @@
                       `rewards.code.extract_program`) runs against the hidden tests in the sandbox;
                       reward = the fraction passed (`reward: all`: 1.0 only when every one passed), done
 
-A problem carries its hidden tests in `Problem.tests` and its visible ones in `meta["visible"]`, both
-as `assert f(args) == expected` strings: each is split in this process into the call, which runs in
+A problem carries its hidden tests in `Problem.tests` and its visible ones in `meta["visible_tests"]`
+(a `problem` JSONL row's extra field `visible_tests` lands there), both as `assert f(args) == expected`
+strings (the prompt gets the visible ones appended if it does not already show them): each is split in this process into the call, which runs in
 the sandbox, and the expected value, which stays here (`sandbox.judge.parse_assert`) — the expected
 outputs of the hidden tests never enter any sandbox, and nothing the model runs sees their calls
 either (the answer's run gets them; a tool call never does). Every program runs with the harness's
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from posttrain.data.records import Message, Problem, prompt_messages
-from posttrain.envs.base import StepResult
+from posttrain.envs.base import EnvironmentConfigError, EnvironmentFactory, StepResult
 from posttrain.envs.tool_calls import ToolCall, parse_tool_calls
 from posttrain.envs.tool_env import tools_system_prompt
 from posttrain.envs.tools import (DEFAULT_PYTHON_LIMITS, MAX_RESULT_CHARS, PythonSessionTool, PythonTool, Tool,
@@ -113,13 +114,45 @@ class RunTests:
         return out
 
 
+VISIBLE_HEADER = "Visible tests (run them with the run_tests tool):"
+ANSWER_LINE = "Answer with the whole function in one ```python block, in a turn without a tool call."
+
+
+def _parsed(problem: Problem, field: str, raw: Any) -> list[CallTest]:
+    where = problem.origin or f"problem {problem.prompt!r:.60}"
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"{where}: field {field!r}: a code problem needs a non-empty list of assert strings")
+    out = []
+    for k, t in enumerate(raw):
+        if not isinstance(t, str):
+            raise ValueError(f"{where}: field {field!r}[{k}]: expected an assert string, got {type(t).__name__}")
+        try:
+            out.append(parse_assert(t))
+        except ValueError as e:
+            raise ValueError(f"{where}: field {field!r}[{k}]: {e}") from None
+    return out
+
+
 def split_tests(problem: Problem) -> tuple[list[CallTest], list[CallTest]]:
-    """(visible, hidden) of a code problem; ValueError naming the problem if it has none."""
-    visible, hidden = problem.meta.get("visible"), problem.tests
-    if not visible or not hidden:
-        raise ValueError(f"code environment: problem {problem.origin or problem.prompt!r:.80} needs visible tests "
-                         "(meta['visible']) and hidden tests (tests)")
-    return [parse_assert(t) for t in visible], [parse_assert(t) for t in hidden]
+    """(visible, hidden) of a code problem; ValueError naming the problem (a file's `path:line`) and
+    the field when either is missing or not assert strings."""
+    return (_parsed(problem, "visible_tests", problem.meta.get("visible_tests")),
+            _parsed(problem, "tests", problem.tests))
+
+
+def validate_problems(problems: Sequence[Problem]) -> None:
+    """Every problem has visible and hidden tests the parent can split (before a stage starts)."""
+    for p in problems:
+        split_tests(p)
+
+
+def code_prompt(problem: Problem) -> str:
+    """The problem's prompt, with its visible tests and the answer rule appended unless it shows them."""
+    text = problem.prompt if isinstance(problem.prompt, str) else ""
+    visible = problem.meta.get("visible_tests") or []
+    if all(v in text for v in visible):
+        return text
+    return f"{text}\n\n{VISIBLE_HEADER}\n" + "\n".join(visible) + f"\n\n{ANSWER_LINE}"
 
 
 class CodeEnv:
@@ -144,7 +177,7 @@ class CodeEnv:
             self.tools["python"] = self._session
         elif self.stateless is not None:
             self.tools["python"] = self.stateless
-        messages = prompt_messages(problem.prompt)
+        messages = prompt_messages(code_prompt(problem) if isinstance(problem.prompt, str) else problem.prompt)
         if self.system_prompt:
             messages = [Message("system", tools_system_prompt(self.tools))] + messages
         return messages
@@ -185,8 +218,6 @@ def build_code_environment(*, python: str = "session", reward: str = "fraction",
     dict for every program: tool calls and the hidden run), `sandbox` (bubblewrap | unsafe-subprocess),
     `system_prompt` (a system message listing the tools and the call format; off by default: the
     prompt names `run_tests`, and a tiny model's context has no room for it)."""
-    from posttrain.envs.registry import EnvironmentConfigError, EnvironmentFactory
-
     if python not in PYTHON_MODES:
         raise EnvironmentConfigError(f"code environment: python must be one of {PYTHON_MODES}, got {python!r}")
     if reward not in ("fraction", "all"):
@@ -198,4 +229,4 @@ def build_code_environment(*, python: str = "session", reward: str = "fraction",
     owned: list[Any] = [pool, *(x for x in (host, stateless) if x is not None)]
     return EnvironmentFactory(lambda: CodeEnv(pool, lim, host=host, stateless=stateless, reward=reward,
                                               max_calls=max_calls, max_result_chars=max_result_chars,
-                                              system_prompt=system_prompt), owned)
+                                              system_prompt=system_prompt), owned, validate=validate_problems)

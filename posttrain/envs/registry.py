@@ -13,37 +13,19 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
 
-from posttrain.envs.base import Environment
+from posttrain.envs.base import EnvironmentConfigError, EnvironmentFactory
+from posttrain.envs.code_env import build_code_environment
 from posttrain.envs.tool_env import ToolEnv
 from posttrain.envs.tools import BUILTIN_TOOLS, DEFAULT_PYTHON_LIMITS, MAX_RESULT_CHARS, Calculator, PythonSessionTool, PythonTool, Tool
 from posttrain.sandbox import Limits
 from posttrain.sandbox.session import SessionHost
 
 
-class EnvironmentConfigError(ValueError):
-    """An unknown environment, tool or parameter in a recipe: a configuration error."""
-
-
 class EnvName(str, Enum):
     """Names a recipe can use for environments."""
 
     TOOLS = "tools"  # call tools (calculator, python in the sandbox) until a turn without a call answers
-
-
-class EnvironmentFactory:
-    """Makes one environment per episode; owns what they share (tools); `close()` releases it."""
-
-    def __init__(self, make: Callable[[], Environment], tools: Sequence[Any] = ()):
-        self._make, self.tools = make, list(tools)
-
-    def __call__(self) -> Environment:
-        return self._make()
-
-    def close(self) -> None:
-        for tool in self.tools:
-            close = getattr(tool, "close", None)
-            if close is not None:
-                close()
+    CODE = "code"    # write a function, run it against visible tests, answer; hidden tests decide (envs/code_env.py)
 
 
 def _build_tools(*, tools: Sequence[str] = ("calculator",), max_calls: int = 4,
@@ -80,7 +62,8 @@ def _build_tools(*, tools: Sequence[str] = ("calculator",), max_calls: int = 4,
     return EnvironmentFactory(make, [*built.values(), *([host] if host is not None else [])])
 
 
-_BUILDERS: dict[EnvName, Callable[..., EnvironmentFactory]] = {EnvName.TOOLS: _build_tools}
+_BUILDERS: dict[EnvName, Callable[..., EnvironmentFactory]] = {EnvName.TOOLS: _build_tools,
+                                                                 EnvName.CODE: build_code_environment}
 
 
 def build_environment(name: str, **params: Any) -> EnvironmentFactory:

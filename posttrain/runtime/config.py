@@ -157,7 +157,7 @@ class RewardSpec(Strict):
 class EnvSpec(Strict):
     """A multi-turn environment for an RL stage: each sample is an episode in it (docs/envs.md)."""
 
-    name: Literal["tools", "task"] = Field(description="a posttrain.envs environment (tools: calculator / python in the sandbox), or `task`: the environment the stage's first data task with one supplies (arithmetic-tools)")
+    name: Literal["tools", "code", "task"] = Field(description="a posttrain.envs environment (tools: calculator / python in the sandbox; code: visible tests through run_tests, hidden tests decide — problems with `tests` and `visible_tests`), or `task`: the environment the stage's first data task with one supplies (arithmetic-tools, code-tools)")
     params: dict[str, Any] = Field(default_factory=dict, description="the environment's parameters, e.g. {tools: [calculator]} (with `task`: overrides of the task's defaults)")
     max_turns: int = Field(4, gt=0, description="assistant turns per episode at most")
     max_tokens: int = Field(256, gt=1, description="tokens per episode at most: first prompt, model turns and environment text")

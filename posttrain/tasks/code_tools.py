@@ -5,7 +5,7 @@ Problems: generated (posttrain/worlds/code_functions.py — levels C1 one intege
 filter / count / scan, C3 a string rule; seeded, no download), or a user's JSONL file (`path`, the
 schema below) instead. What the task supplies:
 
-- `problems`: `Problem(prompt, tests=<hidden asserts>, level, meta={"entry_point", "visible"})`;
+- `problems`: `Problem(prompt, tests=<hidden asserts>, level, meta={"entry_point", "visible_tests"})`;
 - `env`: the code environment (`envs/code_env.py`): tools `run_tests` (visible tests) and `python`
   (a session per episode by default); the answer is the last fenced code block of the turn without
   a tool call; reward = fraction of hidden tests passed (`reward: all`: all or nothing);
@@ -16,11 +16,15 @@ schema below) instead. What the task supplies:
   none: their held-out problems differ from training ones only in their tests);
 - `tokenizer_texts`: prompts and reference solutions, for a tiny model's tokenizer.
 
-JSONL schema, one problem per line (every key but `level` and `name` required; others are errors):
+JSONL schema, one problem per line: the `problem` schema (docs/data.md) with the hidden tests in
+`tests` and two more fields — every key but `level` and `name` required, others are errors:
 
     {"prompt": "def add(a, b): ... return a + b", "entry_point": "add",
-     "visible_tests": ["assert add(1, 2) == 3"], "hidden_tests": ["assert add(-1, 1) == 0", ...],
+     "visible_tests": ["assert add(1, 2) == 3"], "tests": ["assert add(-1, 1) == 0", ...],
      "level": "easy", "name": "add"}
+
+So the same file also reads as `{path: file.jsonl}` in a GRPO stage with `env: {name: code}` (the
+extra fields land in `Problem.meta`; the environment checks every problem before the stage starts).
 
 Tests are `assert <call> == <literal>` strings (the shapes `sandbox.judge.parse_assert` accepts);
 a bad row is a `CodeProblemError` naming the file, the line and the field.
@@ -49,8 +53,8 @@ from posttrain.tasks.records import EvalRecord
 from posttrain.worlds.code_functions import LEVELS, CodeFunction, generate
 
 NAME = "code-tools"
-FIELDS = {"prompt": str, "entry_point": str, "visible_tests": list, "hidden_tests": list, "level": str, "name": str}
-REQUIRED = ("prompt", "entry_point", "visible_tests", "hidden_tests")
+FIELDS = {"prompt": str, "entry_point": str, "visible_tests": list, "tests": list, "level": str, "name": str}
+REQUIRED = ("prompt", "entry_point", "visible_tests", "tests")
 EVAL_PER_LEVEL = 50  # generated held-out problems per level
 EVAL_TURNS = 3       # e.g. run_tests, python, answer
 
@@ -61,7 +65,7 @@ class CodeProblemError(TaskError):
 
 def as_problem(f: CodeFunction, origin: str) -> Problem:
     return Problem(prompt=f.prompt, tests=list(f.hidden), level=f.level,
-                   meta={"entry_point": f.name, "visible": list(f.visible)}, origin=origin)
+                   meta={"entry_point": f.name, "visible_tests": list(f.visible)}, origin=origin)
 
 
 def _check_tests(where: str, field: str, value: Any, entry_point: str) -> list[str]:
@@ -109,11 +113,9 @@ def read_code_problems(path: str | Path) -> list[Problem]:
         if not row["entry_point"].isidentifier():
             raise CodeProblemError(f"{where}: field 'entry_point': {row['entry_point']!r} is not a Python name")
         visible = _check_tests(where, "visible_tests", row["visible_tests"], row["entry_point"])
-        hidden = _check_tests(where, "hidden_tests", row["hidden_tests"], row["entry_point"])
-        prompt = row["prompt"] + "\n\nVisible tests (run them with the run_tests tool):\n" + "\n".join(visible) + \
-            "\n\nAnswer with the whole function in one ```python block, in a turn without a tool call."
-        out.append(Problem(prompt=prompt, tests=hidden, level=row.get("level"),
-                           meta={"entry_point": row["entry_point"], "visible": visible},
+        hidden = _check_tests(where, "tests", row["tests"], row["entry_point"])
+        out.append(Problem(prompt=row["prompt"], tests=hidden, level=row.get("level"),
+                           meta={"entry_point": row["entry_point"], "visible_tests": visible},
                            origin=f"{path.name}:{n}" + (f" ({row['name']})" if "name" in row else "")))
     if not out:
         raise CodeProblemError(f"{path}: no problems in the file")
