@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import pytest
 import torch
 
 from posttrain.data.records import Problem
-from posttrain.envs import Budget, EpisodeEnd, format_call, run_episodes
+from posttrain.envs import Budget, EpisodeEnd, format_call, pad_episodes, run_episodes
 from posttrain.rollout import SamplingParams
 from posttrain.rollout.output import Rollout
 from posttrain.tasks import Capability, build_task
@@ -130,9 +129,8 @@ def test_malformed_calls_hangs_and_floods_are_messages_and_errors(factory, probl
     r = env.step('<tool_call>{"name": "run_tests", "arguments": {"code": 1}}</tool_call><tool_call>{oops')
     assert r.tool_errors == 2 and not r.done and "run_tests takes exactly" in r.new_messages[0].content
     assert "no closing </tool_call> tag" in r.new_messages[1].content
-    t0 = time.monotonic()
     r = env.step(call("run_tests", "def scale_shift(x):\n    while True:\n        pass"))
-    assert r.tool_errors == 1 and "timeout" in r.new_messages[0].content and time.monotonic() - t0 < 2 + 8
+    assert r.tool_errors == 1 and r.new_messages[0].content == "error: timeout: wall-clock timeout"  # killed from outside
     r = env.step(call("run_tests", "import sys\nsys.stdout.write('x' * 10_000_000)\ndef scale_shift(x):\n    return x"))
     assert r.tool_errors == 1 and "output_limit" in r.new_messages[0].content
     r = env.step(call("python", "import sys\nsys.stdout.write('x' * 10_000_000)"))
@@ -243,14 +241,14 @@ def test_on_real_episodes_the_mask_is_0_on_everything_the_environment_wrote(fact
     tok = train_tokenizer(build_task("code-tools").tokenizer_texts()[:200], vocab_size=512)
     f = generate(2, seed=0, stream="problem-0")
     script = [[call("run_tests", "def scale_shift(x):\n    return x"), call("python", "y = 3") + call("python", "y * 2"),
-               f"```python\n{f[0].solution}```"],
+               '<tool_call>{"name": "run_tests"', f"```python\n{f[0].solution}```"],
               [f"```python\n{f[1].solution}```"]]
     engine = ScriptedEngine(tok, script)
     before = factory.tools[1].live
-    run = run_episodes(engine, tok, factory, problems[:2], budget=Budget(max_turns=4, max_tokens=2048, turn_tokens=512),
+    run = run_episodes(engine, tok, factory, problems[:2], budget=Budget(max_turns=5, max_tokens=2048, turn_tokens=512),
                        params=SamplingParams(temperature=1.0, seed=0))
     a, b = run.episodes
-    assert (a.turns, a.tool_calls, a.end, a.reward) == (3, 3, EpisodeEnd.DONE, 1.0)
+    assert (a.turns, a.tool_calls, a.tool_errors, a.end, a.reward) == (4, 3, 1, EpisodeEnd.DONE, 1.0)
     assert (b.turns, b.tool_calls, b.reward) == (1, 0, 1.0)
     for e in run.episodes:
         ids, mask = e.token_ids.tolist(), e.model_mask.tolist()
@@ -263,6 +261,11 @@ def test_on_real_episodes_the_mask_is_0_on_everything_the_environment_wrote(fact
                        "FAIL (got 45)\n0/2 visible tests passed<|im_end|>\n<|im_start|>assistant\n")
     between = tok.decode(a.token_ids[a.turn_spans[1][1]:a.turn_spans[2][0]].tolist(), skip_special_tokens=False)
     assert between == "\n<|im_start|>tool\n<|im_end|>\n<|im_start|>tool\n6\n<|im_end|>\n<|im_start|>assistant\n"  # 3 · 2
+    between = tok.decode(a.token_ids[a.turn_spans[2][1]:a.turn_spans[3][0]].tolist(), skip_special_tokens=False)
+    assert between == ("\n<|im_start|>tool\nerror: tool call 1 has no closing </tool_call> tag<|im_end|>\n"
+                       "<|im_start|>assistant\n")  # the error message the model reads: the environment's, mask 0
+    batch = pad_episodes(run.episodes, tok.pad_token_id)  # what the update forwards: loss only on the model's tokens
+    assert batch.mask.sum() == sum(t2 - s for e in run.episodes for s, t2 in e.turn_spans)
     assert factory.tools[1].live == before  # each episode's session closed when it ended
 
 
@@ -338,3 +341,70 @@ def test_a_users_file_runs_in_the_code_environment_and_a_bad_row_stops_the_stage
     with pytest.raises(ValueError, match=r"mine.jsonl:2: field 'visible_tests': a code problem needs a non-empty list"):
         run_pipeline(bad, tmp_path / "bad_run")
     assert not (tmp_path / "bad_run" / "checkpoints" / "grpo").exists()  # stopped before any step
+
+
+# ---- GRPO through run_pipeline, with a scripted policy that uses the tools -----------------------
+class ScriptedPolicy:
+    """A rollout engine for the GRPO stage: turn 1 calls `run_tests` with a program that also lists the
+    garbage collector's objects (a probe); turn 2 answers with the reference (even rows of the call) or
+    a wrong function (odd rows), so every group's rewards differ and the update has a gradient."""
+
+    name = "scripted"
+
+    def __init__(self, tok, solutions: dict[str, str]):
+        self.tok, self.solutions = tok, solutions
+        self.pad_id, self.eos_ids = tok.pad_token_id, [tok.convert_tokens_to_ids("<|im_end|>")]
+
+    def decode_cost(self, **_):
+        from posttrain.telemetry.costs import Cost
+
+        return Cost()
+
+    def sync_weights(self, model) -> int:
+        return 0
+
+    def generate(self, prompts, params):
+        texts = []
+        for j, p in enumerate(prompts):
+            seen = self.tok.decode(p, skip_special_tokens=False)
+            name, solution = next((n, s) for n, s in self.solutions.items() if f"def {n}(" in seen)
+            if seen.count("<|im_start|>assistant") == 1:
+                texts.append(call("run_tests", f"import gc\nN = len(gc.get_objects())\n{solution}"))
+            else:
+                texts.append(f"```python\n{solution if j % 2 == 0 else f'def {name}(*a):' + chr(10) + '    return None'}\n```")
+        ids = [self.tok(t, add_special_tokens=False)["input_ids"] + self.eos_ids for t in texts]
+        n, width, pw = len(ids), max(map(len, ids)), max(map(len, prompts))
+        comp, cmask = torch.full((n, width), self.pad_id), torch.zeros((n, width), dtype=torch.bool)
+        pids = torch.full((n, pw), self.pad_id)
+        for j, (p, c) in enumerate(zip(prompts, ids)):
+            comp[j, :len(c)], cmask[j, :len(c)], pids[j, pw - len(p):] = torch.tensor(c), True, torch.tensor(p)
+        lp = torch.where(cmask, -1.0, 0.0)
+        return Rollout(pids, pids != self.pad_id, comp, cmask, lp, lp.clone(), ["stop"] * n, torch.arange(n), texts)
+
+
+def test_grpo_through_run_pipeline_logs_tool_calls_probes_and_hidden_rewards(tmp_path, monkeypatch):
+    from posttrain.pipeline.run import run_pipeline
+    from posttrain.runtime.config import Recipe
+    from posttrain.runtime.context import RunContext
+
+    _backend_or_skip("bubblewrap")
+    # one distinct function per family (the stage's problems: the task's stream problem-0, all levels)
+    solutions = {f.name: f.solution for f in generate(9, seed=0, stream="problem-0")}
+    monkeypatch.setattr(RunContext, "rollout_engine", lambda self, model, backend="native": ScriptedPolicy(self.tokenizer, solutions))
+    recipe = Recipe.model_validate({
+        "name": "code-grpo", "threads": 1, "telemetry": {"measure_cpu": False},
+        "model": {"init": "tiny-1m", "max_seq_len": 1024, "vocab_size": 512},
+        "stages": [{"stage": "grpo", "data": [{"task": "code-tools", "n": 9}], "rewards": [], "steps": 2,
+                    "save_every": 2, "batch_size": 4, "group_size": 2, "max_new_tokens": 512, "log_every": 1,
+                    "optim": {"lr": 1e-4, "warmup_steps": 0, "min_lr_ratio": 1.0},
+                    "env": {"name": "task", "max_turns": 2, "max_tokens": 1024, "params": {"limits": LIMITS}}}]})
+    run_pipeline(recipe, tmp_path / "run")
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    grpo = [m for m in rows if m.get("stage") == "grpo"]
+    assert len(grpo) == 2
+    for m in grpo:
+        # 4 episodes a step, each one run_tests call (probing the gc once) then an answer; half the answers right
+        assert m["episode/tool_calls_mean"] == 1.0 and m["episode/tool_errors"] == 0.0
+        assert m["tool/hidden_probe"] == 4.0 and m["tool/hidden_probe_frac"] == 1.0
+        assert m["reward/env"] == 0.5 and m["reward/pass_rate"] == 0.5 and m["groups/zero_variance_frac"] == 0.0
+        assert m["episode/turns_mean"] == 2.0 and m["loss/policy"] == m["loss/policy"]  # finite (not NaN)
