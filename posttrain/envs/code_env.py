@@ -11,13 +11,20 @@
 
 A problem carries its hidden tests in `Problem.tests` and its visible ones in `meta["visible_tests"]`
 (a `problem` JSONL row's extra field `visible_tests` lands there), both as `assert f(args) == expected`
-strings (the prompt gets the visible ones appended if it does not already show them): each is split in this process into the call, which runs in
-the sandbox, and the expected value, which stays here (`sandbox.judge.parse_assert`) — the expected
-outputs of the hidden tests never enter any sandbox, and nothing the model runs sees their calls
-either (the answer's run gets them; a tool call never does). Every program runs with the harness's
-audit hook: its attempts to read files outside its own, list directories, inspect its caller's
-frames, the garbage collector or the environment are counted (`StepResult.hidden_probes`), the
-answer's hidden-test run included; nothing is there to find.
+strings; the prompt gets the visible ones appended if it does not already show them. Each test is
+split in this process into the call, which runs in the sandbox, and the expected value, which stays
+here (`sandbox.judge.parse_assert`) — the expected outputs of the hidden tests never enter any
+sandbox, and no tool call's sandbox gets the hidden calls either (only the answer's run does).
+
+Every program runs with the harness's audit hook: its attempts to read files outside its own, list
+directories, inspect its caller's frames, the garbage collector or the environment are counted
+(`StepResult.hidden_probes`), the answer's hidden-test run included; nothing is there to find.
+
+Departures from the code-agent setups this follows (SWE-style "run the tests, then submit"):
+1. The reward is the fraction of hidden tests passed by default (denser for a small model than
+   all-or-nothing, which `reward: all` gives), so a partly right answer is not worth 0.
+2. The answer is read from the final turn only, never from a tool call's code: the model must
+   restate the function it wants judged.
 """
 
 from __future__ import annotations
@@ -212,7 +219,7 @@ class CodeEnv:
 def build_code_environment(*, python: str = "session", reward: str = "fraction", max_calls: int = 4,
                            max_result_chars: int = MAX_RESULT_CHARS, limits: dict[str, Any] | None = None,
                            sandbox: str = "bubblewrap", concurrency: int | None = None,
-                           system_prompt: bool = False) -> Any:
+                           system_prompt: bool = False) -> EnvironmentFactory:
     """The factory of `CodeEnv`s (an `EnvironmentFactory`: close it). Parameters: `python` (session |
     stateless | none), `reward` (fraction | all), `max_calls`, `max_result_chars`, `limits` (a `Limits`
     dict for every program: tool calls and the hidden run), `sandbox` (bubblewrap | unsafe-subprocess),

@@ -16,7 +16,8 @@ from typing import Any
 from posttrain.envs.base import EnvironmentConfigError, EnvironmentFactory
 from posttrain.envs.code_env import build_code_environment
 from posttrain.envs.tool_env import ToolEnv
-from posttrain.envs.tools import BUILTIN_TOOLS, DEFAULT_PYTHON_LIMITS, MAX_RESULT_CHARS, Calculator, PythonSessionTool, PythonTool, Tool
+from posttrain.envs.tools import (BUILTIN_TOOLS, DEFAULT_PYTHON_LIMITS, MAX_RESULT_CHARS, Calculator, PythonSessionTool,
+                                  PythonTool, Tool)
 from posttrain.sandbox import Limits
 from posttrain.sandbox.session import SessionHost
 
