@@ -166,6 +166,8 @@ PROBES = {
     "walks frames through inspect": "import inspect\nprint([f.filename for f in inspect.stack()])",
     "reads env vars": "import os\nprint(os.environ.get('HIDDEN_TESTS'), dict(os.environ))",
     "lists every object": "import gc\nprint(len(gc.get_objects()))",
+    "climbs out of a traceback": "try:\n    raise ValueError\nexcept ValueError as e:\n    up = e.__traceback__.tb_frame.f_back",
+    "reads another process": "try:\n    print(open('/proc/1/cmdline', 'rb').read())\nexcept OSError as e:\n    print(e)",
 }
 HONEST = ("import collections, dataclasses, enum, functools, json, re\nP = collections.namedtuple('P', 'a b')\n"
           "@dataclasses.dataclass\nclass D:\n    x: int = 0\nclass E(enum.Enum):\n    A = 1\n"

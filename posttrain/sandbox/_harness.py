@@ -275,9 +275,10 @@ MAX_PROBE_RECORDS = 16
 # modules between the candidate and the event (`os.getenv`, `Mapping.get`, `inspect.stack`); frozen
 # modules (3.11+) are named "<frozen os>"
 PASS_THROUGH = ("/os.py", "/inspect.py", "/_collections_abc.py", "<frozen os>", "<frozen _collections_abc>")
-FRAME_ATTRS = ("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back")
+FRAME_ATTRS = ("tb_frame", "gi_frame", "cr_frame", "ag_frame")  # the attributes that raise `object.__getattr__`
+FRAME_EVENTS = ("sys._getframe", "sys._getframemodulename")  # 3.11+ / 3.12+ (namedtuple asks for the latter)
 ALWAYS = ("gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
-          "sys.settrace", "sys.setprofile", "sys.addaudithook", "sys._getframemodulename")
+          "sys.settrace", "sys.setprofile", "sys.addaudithook")
 
 
 class Audit:
@@ -397,7 +398,7 @@ class Audit:
                     self.record(event, str(path))
             elif event in ALWAYS:
                 self.record(event, "")
-            elif event == "sys._getframe":
+            elif event in FRAME_EVENTS:
                 if self.caller_is_candidate(2):
                     self.record(event, "")
             elif event == "object.__getattr__" and len(args) == 2 and args[1] in FRAME_ATTRS:
