@@ -52,7 +52,7 @@ class DataSource(Strict):
     """Where a stage's examples come from: a task (`{task: arithmetic, n: 2000}`) or a JSONL file in our
     schemas (`{path: file.jsonl}`, docs/data.md). `world: arithmetic` is kept as an alias of `task`."""
 
-    task: str | None = Field(None, description="a built-in task that supplies the split (arithmetic, arithmetic-tools, code; docs/tasks.md)")
+    task: str | None = Field(None, description="a built-in task that supplies the split (arithmetic, arithmetic-tools, code, code-tools; docs/tasks.md)")
     path: Path | None = Field(None, description="a JSONL file in the documented schema of the stage")
     n: int | None = Field(None, gt=0, description="examples to draw from the task (required with `task`)")
     weight: float = Field(1.0, gt=0, description="share of this source in the mix")
@@ -319,7 +319,7 @@ class EvalSpec(Strict):
     `{task: humaneval, k: [1, 10]}`) or a `problem` JSONL file judged by a verifier
     (`{path: my_eval.jsonl, verifier: math}`). docs/tasks.md lists what each task reports."""
 
-    task: str | None = Field(None, description="a built-in task: arithmetic, arithmetic-tools, code, humaneval")
+    task: str | None = Field(None, description="a built-in task: arithmetic, arithmetic-tools, code, code-tools, humaneval")
     path: Path | None = Field(None, description="a JSONL file in the `problem` schema (the `jsonl` task)")
     verifier: str | None = Field(None, description="the posttrain.rewards verifier that judges a reply to `path` (math, code, …)")
     params: dict[str, Any] = Field(default_factory=dict, description="that verifier's parameters")
