@@ -125,6 +125,17 @@ def test_tools_arithmetic_episodes_in_the_tasks_environment(tmp_path, monkeypatc
     assert {(e["eval"], e["metric"]) for e in evals} == {("arithmetic-tools", "exact_match"), ("arithmetic-tools", "tool_use")}
 
 
+def test_code_tools_episodes_with_hidden_tests(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = run_shrunk("code-tools", tmp_path)
+    check(run_dir, ["grpo"])
+    grpo = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"grpo"' in x]
+    keys = {"episode/tool_calls_mean", "episode/tool_errors", "tool/hidden_probe", "tool/hidden_probe_frac", "reward/env"}
+    assert len(grpo) == 2 and all(keys <= set(m) for m in grpo)  # each step logged its episodes' tools and probes
+    evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert {(e["eval"], e["metric"]) for e in evals} == {("code-tools", "pass"), ("code-tools", "tool_use")}
+
+
 # llama3's rounds collect with the gold judge at min_reward 0.9, which a policy trained 4 steps never
 # reaches (and it rarely ends a turn in 8 tokens): shrunk, each round's collect scores by length
 # (always judged, different between replies) with min_reward −1 and 8 samples of up to 32 tokens, so

@@ -45,7 +45,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.data.records import Message, Problem
-from posttrain.envs.base import Budget, EnvFactory, Environment, StepResult
+from posttrain.envs.base import Budget, EnvFactory, Environment, StepResult, close_environment
 from posttrain.envs.transcript import Transcript
 from posttrain.rollout import RolloutEngine, SamplingParams
 from posttrain.rollout.text import positions_from_mask
@@ -77,6 +77,7 @@ class Episode:
     end: EpisodeEnd
     tool_calls: int = 0
     tool_errors: int = 0
+    hidden_probes: int = 0      # programs' attempts to read what they were not given (StepResult.hidden_probes), summed
     env_seconds: float = 0.0    # time inside the environment's `step` (tools included), summed
     finish: str = "stop"        # the last turn's finish: "stop" (the model ended it) or "length" (cut at a token budget)
 
@@ -119,6 +120,7 @@ class _Live:
     end: EpisodeEnd | None = None
     tool_calls: int = 0
     tool_errors: int = 0
+    hidden_probes: int = 0
     env_seconds: float = 0.0
     last_text: str = ""
     last_token: int | None = None
@@ -206,7 +208,7 @@ def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, fact
     episodes = [Episode(ep.index, ep.messages, torch.tensor(ep.ids, dtype=torch.long), torch.tensor(ep.mask),
                         torch.tensor(ep.lps, dtype=torch.float32), torch.tensor(ep.plps, dtype=torch.float32),
                         ep.prompt_len, ep.spans, ep.rewards, ep.end or EpisodeEnd.DONE, ep.tool_calls,
-                        ep.tool_errors, ep.env_seconds, ep.last_finish) for ep in live]
+                        ep.tool_errors, ep.hidden_probes, ep.env_seconds, ep.last_finish) for ep in live]
     return EpisodeRun(episodes, calls, gen_s, wait_s)
 
 
@@ -222,6 +224,7 @@ def _absorb(done: set[Future], pending: dict[Future, int], live: list[_Live], tr
         ep.rewards.append(result.reward)
         ep.tool_calls += result.tool_calls
         ep.tool_errors += result.tool_errors
+        ep.hidden_probes += result.hidden_probes
         ep.messages.append(Message("assistant", ep.last_text))
         chat = list(ep.messages)
         ep.messages += result.new_messages
@@ -239,6 +242,8 @@ def _absorb(done: set[Future], pending: dict[Future, int], live: list[_Live], tr
                 ep.lps += [0.0] * len(env_ids)
                 ep.plps += [0.0] * len(env_ids)
                 again.append(ep.index)
+        if ep.end is not None:  # over, whatever ended it: the environment's own resources go now
+            close_environment(ep.env)
     return again
 
 

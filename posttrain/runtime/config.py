@@ -52,7 +52,7 @@ class DataSource(Strict):
     """Where a stage's examples come from: a task (`{task: arithmetic, n: 2000}`) or a JSONL file in our
     schemas (`{path: file.jsonl}`, docs/data.md). `world: arithmetic` is kept as an alias of `task`."""
 
-    task: str | None = Field(None, description="a built-in task that supplies the split (arithmetic, arithmetic-tools, code; docs/tasks.md)")
+    task: str | None = Field(None, description="a built-in task that supplies the split (arithmetic, arithmetic-tools, code, code-tools; docs/tasks.md)")
     path: Path | None = Field(None, description="a JSONL file in the documented schema of the stage")
     n: int | None = Field(None, gt=0, description="examples to draw from the task (required with `task`)")
     weight: float = Field(1.0, gt=0, description="share of this source in the mix")
@@ -157,7 +157,7 @@ class RewardSpec(Strict):
 class EnvSpec(Strict):
     """A multi-turn environment for an RL stage: each sample is an episode in it (docs/envs.md)."""
 
-    name: Literal["tools", "task"] = Field(description="a posttrain.envs environment (tools: calculator / python in the sandbox), or `task`: the environment the stage's first data task with one supplies (arithmetic-tools)")
+    name: Literal["tools", "code", "task"] = Field(description="a posttrain.envs environment (tools: calculator / python in the sandbox; code: visible tests through run_tests, hidden tests decide — problems with `tests` and `visible_tests`), or `task`: the environment the stage's first data task with one supplies (arithmetic-tools, code-tools)")
     params: dict[str, Any] = Field(default_factory=dict, description="the environment's parameters, e.g. {tools: [calculator]} (with `task`: overrides of the task's defaults)")
     max_turns: int = Field(4, gt=0, description="assistant turns per episode at most")
     max_tokens: int = Field(256, gt=1, description="tokens per episode at most: first prompt, model turns and environment text")
@@ -176,7 +176,7 @@ class GRPOStage(TrainStage):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass of the rollouts (1 = off)")
     max_new_tokens: int = Field(48, gt=0, description="completion budget per sample")
     max_prompt_len: int = Field(64, gt=0, description="longest prompt in tokens (longer ones are an error)")
-    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="math")], min_length=1, description="verifiers summed into the reward")
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="math")], description="verifiers summed into the reward (empty only with `env`: the environment's reward alone)")
     pass_threshold: float = Field(0.5, description="a sample passes when the first listed verifier scores at least this")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL-to-reference coefficient in the loss (0: no reference pass)")
     clip_low: float | None = Field(None, gt=0, lt=1, description="ratio floor 1 − clip_low (None: the loss's default)")
@@ -193,6 +193,9 @@ class GRPOStage(TrainStage):
 
     @model_validator(mode="after")
     def _grpo_shapes(self) -> GRPOStage:
+        if not self.rewards and self.env is None:
+            raise ValueError("rewards is empty: nothing would score the samples (an empty list is for `env`, "
+                             "whose environment gives the reward)")
         if self.env is not None and self.dynamic_sampling:
             raise ValueError("dynamic_sampling is not supported with env yet (episodes are one round per rollout)")
         if self.batch_size % self.group_size:
@@ -318,7 +321,7 @@ class EvalSpec(Strict):
     `{task: humaneval, k: [1, 10]}`) or a `problem` JSONL file judged by a verifier
     (`{path: my_eval.jsonl, verifier: math}`). docs/tasks.md lists what each task reports."""
 
-    task: str | None = Field(None, description="a built-in task: arithmetic, arithmetic-tools, code, humaneval")
+    task: str | None = Field(None, description="a built-in task: arithmetic, arithmetic-tools, code, code-tools, humaneval")
     path: Path | None = Field(None, description="a JSONL file in the `problem` schema (the `jsonl` task)")
     verifier: str | None = Field(None, description="the posttrain.rewards verifier that judges a reply to `path` (math, code, …)")
     params: dict[str, Any] = Field(default_factory=dict, description="that verifier's parameters")

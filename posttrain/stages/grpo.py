@@ -385,6 +385,12 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
     clip = (cfg.clip_low or variant.clip_low, cfg.clip_high or variant.clip_high)
     problems = load_problems(ctx, cfg.data, levels=cfg.levels)
     env = build_env(ctx, cfg.env, cfg.data) if cfg.env is not None else None  # episodes: the environment renders the prompts
+    if env is not None:
+        try:
+            env.validate(problems)  # e.g. a code problem without its visible or hidden tests: stop before any step
+        except ValueError:
+            env.close()
+            raise
     prompts = encode_problems(problems, tok, cfg.max_prompt_len) if env is None else []
     verifiers = build_rewards(cfg.rewards)
     t = start_or_resume(ctx, cfg, data_parallel=True)
