@@ -123,6 +123,7 @@ class TrainStage(StageBase):
     save_every: int = Field(50, gt=0, description="steps between resumable checkpoints")
     keep_last: int = Field(2, gt=0, description="resumable checkpoints kept")
     log_every: int = Field(10, gt=0, description="steps between metrics.jsonl records")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the backward instead of keeping them: less memory for ~one more forward per step (docs/performance.md)")
 
     @model_validator(mode="after")
     def _accum_divides(self) -> TrainStage:

@@ -47,6 +47,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,7 @@ from posttrain.stages._rlvr import (
     passed,
     score_rollout,
 )
+from posttrain.models.prefix_attention import shared_prefix
 from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
 from posttrain.stages._training import Trainer, next_step, optimizer_step, reference_policy, save, start_or_resume
 from posttrain.telemetry import costs, memory
@@ -319,7 +321,10 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
         tok_loss, kl, stats = grpo_token_loss(logps, mb.old_logprobs, ref, mb.advantages, mb.mask,
                                               clip_low=clip[0], clip_high=clip[1], kl_coef=cfg.kl_coef)
         loss = aggregate(tok_loss, mb.mask, norm)
-        loss.backward()
+        # activation checkpointing recomputes each layer's forward inside backward: it must run through the same
+        # attention kernel the forward ran (the shared-prefix one), so the switch spans the backward too
+        with shared_prefix(t.model) if cfg.share_prompt and cfg.activation_checkpointing else nullcontext():
+            loss.backward()
         share = float(mb.mask.sum()) / tokens  # stats are token means of the micro-batch: weight by tokens
         with torch.no_grad():
             ent = entropy_from_logits(logits.detach())
