@@ -122,8 +122,8 @@ class NativeEngine:
     computes in bf16 and the C attention reads it (`FusedDecoder.cache_dtype`, set by `prepare`).
     prefix_cache_bytes: the most bytes of keys/values kept between calls for callers that ask
         (`generate(keep=)`, departure 7; 0 = keep nothing). A kept row of C tokens costs
-        2·layers·kv_heads·head_dim·C·(4 or 2) bytes: tiny-30m (6 layers, 4 kv heads × 64), fp32, 300
-        tokens = 3.7 MB.
+        2·layers·kv_heads·head_dim·C·(4 or 2) bytes: tiny-30m (10 layers, 4 kv heads × 64), fp32, is
+        20,480 bytes a token, 6.1 MB for 300 tokens; the default cap holds 43 such rows.
     """
 
     name = "native"
