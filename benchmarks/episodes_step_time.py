@@ -4,7 +4,7 @@
     python benchmarks/episodes_step_time.py --steps 6 --threads 2
     python benchmarks/episodes_step_time.py --kv both --repeats 3 --turns 4 --runs episodes  # KV kept vs not
 
-Same tiny-1m policy (random init), same problems, same reward (the share of digits in the reply), same
+Same tiny-1m policy (random init; `--model` names another tiny preset), same problems, same reward (the share of digits in the reply), same
 16 samples per step and the same budget of model tokens per sample (2 × `--turn-tokens` single-turn;
 two turns of `--turn-tokens` as episodes). Three runs, one after the other:
 - single: one completion per sample;
@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--kv", choices=("kept", "off", "both"), default="kept",
                     help="episodes keep the KV cache across turns, or not, or both interleaved")
     ap.add_argument("--repeats", type=int, default=1, help="with --kv both: off/kept pairs, interleaved")
+    ap.add_argument("--model", default="tiny-1m", help="the tiny preset of the policy (random init)")
     ap.add_argument("--runs", default="single,episodes,episodes+python", help="comma-separated runs")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -123,7 +124,7 @@ def main() -> None:
     tokenizer = train_tokenizer(texts, vocab_size=512)
     with tempfile.TemporaryDirectory() as d:
         policy = Path(d)
-        build_tiny("tiny-1m", vocab_size=len(tokenizer), seed=0, max_seq_len=160 + 40 * (a.turns - 2),
+        build_tiny(a.model, vocab_size=len(tokenizer), seed=0, max_seq_len=160 + 40 * (a.turns - 2),
                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(policy)
         tokenizer.save_pretrained(policy)
         results = measure(a, policy, tokenizer, world)
