@@ -204,3 +204,40 @@ def test_which_engines_keep_prefixes(tok, tiny1m):
     assert prefix_cache_of(NativeEngine(tiny1m, tok)) is not None
     assert prefix_cache_of(NativeEngine(tiny1m, tok, prefix_cache_bytes=0)) is None
     assert prefix_cache_of(HFEngine(tiny1m, tok)) is None
+
+
+def test_bf16_samples_differ_only_where_the_draw_meets_a_rounding_shift(tok, tiny1m, monkeypatch):
+    # Seeded T = 1 in bf16: kept and recomputed keys/values round differently (1 bf16 ulp), the CDF the
+    # inversion draw reads shifts by ~1e-4, and a row whose uniform u lands inside that shift picks the
+    # neighbouring token (then its continuations differ). So wherever the two paths' samples part, the
+    # first differing draw must have u between the two CDFs at the lower of the two tokens — any other
+    # divergence would be a bug. (This setting parts one row at step 7: u = 0.263881, CDFs 0.263857 /
+    # 0.263957, docs/rollout.md; the check holds for every row whatever the machine's rounding.)
+    import posttrain.rollout.native as native
+    opts = dict(dtype=torch.bfloat16, compute=torch.bfloat16, compact_below=0.0)  # rows stay where they are
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=5)
+    cached = NativeEngine(tiny1m, tok, **opts)
+    second = _second_turn(cached.generate(prompts_of(tok), params, keep=list(range(4))), tok(" = 42")["input_ids"])
+    seen: list = []
+    real = native.sample_into
+
+    def spy(logits, p, u, *out):
+        seen.append((logits.clone(), u.clone()))
+        return real(logits, p, u, *out)
+
+    monkeypatch.setattr(native, "sample_into", spy)
+    got = cached.generate(second, params)
+    kept_steps, seen[:] = seen[:], []
+    want = NativeEngine(tiny1m, tok, **opts).generate(second, params)
+    assert cached.prefix_cache.stats.hits == 4
+    for j in range(len(got)):
+        differ = (got.completion_ids[j] != want.completion_ids[j]).nonzero()[:, 0]
+        if differ.numel() == 0:
+            continue
+        t = int(differ[0])
+        (la, u), (lb, ub) = kept_steps[t], seen[t]
+        assert torch.equal(u, ub)                                       # the same uniforms: seeds unchanged
+        lo = min(int(got.completion_ids[j, t]), int(want.completion_ids[j, t]))
+        ca, cb = float(la[j].softmax(-1)[: lo + 1].sum()), float(lb[j].softmax(-1)[: lo + 1].sum())
+        assert min(ca, cb) - 1e-6 <= float(u[j]) <= max(ca, cb) + 1e-6
+        assert abs(ca - cb) < 1e-2                                      # a rounding shift, not another distribution
