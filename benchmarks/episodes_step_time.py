@@ -2,7 +2,7 @@
 
     python benchmarks/episodes_step_time.py                 # 16 sequences (4 problems × G 4), 4 steps each
     python benchmarks/episodes_step_time.py --steps 6 --threads 2
-    python benchmarks/episodes_step_time.py --kv both --repeats 3 --turns 4 --runs episodes  # KV kept vs not
+    python benchmarks/episodes_step_time.py --kv both --repeats 3 --turns 4  # KV kept vs not, interleaved
 
 Same tiny-1m policy (random init; `--model` names another tiny preset), same problems, same reward (the share of digits in the reply), same
 16 samples per step and the same budget of model tokens per sample (2 × `--turn-tokens` single-turn;
@@ -71,8 +71,8 @@ def run(kind: str, a, policy: Path, tokenizer, world, keep_kv: bool = True) -> d
     python = PythonTool(concurrency=2) if kind == "episodes+python" else None
     grpo_mod.build_rewards = lambda specs: [WeightedVerifier("digits", digits)]
     grpo_mod.build_env = lambda ctx, spec, data: EnvironmentFactory(lambda: Turns(python, a.turns), [python] if python else [])
-    env = None if kind == "single" else {"name": "tools", "max_turns": a.turns, "max_tokens": 150 + 40 * (a.turns - 2),
-                                         "keep_kv": keep_kv}
+    env = None if kind == "single" else {"name": "tools", "max_turns": a.turns, "keep_kv": keep_kv,
+                                         "max_tokens": 150 + 40 * (a.turns - 2)}
     cfg = GRPOStage(steps=a.steps, batch_size=16, group_size=4, log_every=1, save_every=a.steps, loss="dapo",
                     eval_every=0, data=[{"task": "arithmetic", "n": 200}], env=env,
                     max_new_tokens=a.turn_tokens * (a.turns if env is None else 1),

@@ -104,8 +104,8 @@ def test_kept_kv_in_bf16_gives_the_same_tokens(model, tok):
 def test_an_episode_frees_its_entry_when_it_ends(model, tok):
     engine = NativeEngine(model, tok)
     seen: list = []
-    run = run_episodes(engine, tok, lambda: FixedText(seen, engine), PROBLEMS,
-                       budget=Budget(max_turns=6, max_tokens=300, turn_tokens=10), params=SamplingParams(temperature=0.0))
+    run = run_episodes(engine, tok, lambda: FixedText(seen, engine), PROBLEMS, params=SamplingParams(temperature=0.0),
+                       budget=Budget(max_turns=6, max_tokens=300, turn_tokens=10))
     # during turn k's environment step the cache holds one entry per episode still playing turn k:
     # 6 episodes at turn 1, then those with ≥ 2, 3, 4 turns: 4, 2, 1 (ended ones were released)
     held = {k: n for k, n in seen}

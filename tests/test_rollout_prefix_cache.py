@@ -37,6 +37,18 @@ def tiny1m(tok):
                       eos_token_id=tok.eos_token_id).eval()
 
 
+@pytest.fixture(scope="module")
+def stopping1m(tok):
+    """tiny-1m whose rows stop at different steps: an untrained model almost never samples EOS, a long EOS
+    embedding row (tied to the output) makes it likely, so kept rows leave the batch at compactions
+    mid-call (greedy lengths 4, 1, 1, 1; seeded 10, 1, 2, 10 below)."""
+    m = build_tiny("tiny-1m", vocab_size=len(tok), seed=0, pad_token_id=tok.pad_token_id,
+                   eos_token_id=tok.eos_token_id).eval()
+    with torch.no_grad():
+        m.model.embed_tokens.weight[tok.eos_token_id] *= 18
+    return m
+
+
 def prompts_of(tok, count=4):
     base = tok("12 + 345 = 357 and 9 + 8 = 17")["input_ids"]
     return [base[i % 5: i % 5 + 3 + i] for i in range(count)]  # 3, 4, 5, … tokens: left padding
@@ -88,17 +100,21 @@ def first_prompts(r):
 @pytest.mark.parametrize("options", [{}, {"decode_ops": "torch"}, {"decode_ops": "c-generic"}, {"kernels": "hf"}],
                          ids=["auto", "torch-select", "c-generic", "hf-forward"])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_a_call_from_kept_rows_equals_a_full_prefill(tok, tiny1m, options, greedy):
+def test_a_call_from_kept_rows_equals_a_full_prefill(tok, stopping1m, options, greedy):
     # compact_below=1.0: compaction as soon as a row finishes, so kept rows leave the batch mid-call
+    # (copied out first where compaction copies the cache: decode_ops="torch", kernels="hf")
     params = SamplingParams(max_new_tokens=10, temperature=0.0 if greedy else 1.0, seed=5)
+    tiny1m = stopping1m
     cached = NativeEngine(tiny1m, tok, compact_below=1.0, **options)
     prompts = prompts_of(tok)
     first = cached.generate(prompts, params, keep=[f"row{j}" for j in range(len(prompts))])
     assert len(cached.prefix_cache) == 4
     # a kept row covers its prompt and its completion but the last token (never fed to the model)
     lengths = first.completion_lengths.tolist()
-    assert [len(e.ids) for e in cached.prefix_cache.entries.values()] == [len(p) + k - 1 for p, k in zip(prompts, lengths)]
-    assert cached.prefix_cache.bytes == sum(len(p) + k - 1 for p, k in zip(prompts, lengths)) * BYTES_PER_TOKEN
+    assert len(set(lengths)) > 1                                       # rows stopped at different steps
+    kept = [tuple(p) + tuple(first.completion_ids[j, :k - 1].tolist()) for j, (p, k) in enumerate(zip(prompts, lengths))]
+    assert [cached.prefix_cache.entries[f"row{j}"].ids for j in range(4)] == kept
+    assert cached.prefix_cache.bytes == sum(map(len, kept)) * BYTES_PER_TOKEN
     extra = tok(" = 42")["input_ids"]
     second = _second_turn(first, extra)
     second.insert(1, prompts_of(tok, 6)[5])                            # a miss among the hits
@@ -112,10 +128,11 @@ def test_a_call_from_kept_rows_equals_a_full_prefill(tok, tiny1m, options, greed
     assert float((got.logprobs - want.logprobs).abs().max()) <= LOGPROB_TOL
 
 
-def test_kept_rows_of_n_samples(tok, tiny1m):
+def test_kept_rows_of_n_samples(tok, stopping1m):
     # n = 2: rows are prompt-major; each sample keeps its own continuation
     params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=1)
-    cached = NativeEngine(tiny1m, tok, compact_below=1.0)
+    tiny1m = stopping1m
+    cached = NativeEngine(tiny1m, tok, compact_below=1.0, decode_ops="torch")
     prompts = prompts_of(tok, 3)
     first = cached.generate(prompts, params, keep=list(range(6)))
     second = _second_turn(first, tok(" ok")["input_ids"])

@@ -395,9 +395,14 @@ class NativeEngine:
                     self.step.plan(cache, key_mask, cache_rows)
             logits = plan(tok, next_pos + t)                                   # (r, V)
 
-        if kept:  # where each row's keys are now: moved by select, in place, or (n > 1, stopped at step 0) unexpanded
-            at = {j: r for r, j in enumerate(active.tolist())}
-            keep_rows(kept, at.__getitem__ if selected else (lambda j: j) if cache.rows == rows else (lambda j: j // n))
+        if kept:  # where each row's keys are now
+            if selected:                       # select moved the running rows to the front, in order
+                at = {j: r for r, j in enumerate(active.tolist())}
+            elif cache.rows == rows:           # in place: never compacted, or compacted through cache_rows
+                at = {j: j for j in kept}
+            else:                              # n > 1, all stopped at step 0: the per-prompt prefill cache
+                at = {j: j // n for j in kept}
+            keep_rows(kept, at.__getitem__)
         stopped = stop_step < budget
         lengths = torch.where(stopped, stop_step + 1, budget)                  # rows never stopped ran to the end
         return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "n": n, "tokens": tokens.T,
