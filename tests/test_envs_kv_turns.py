@@ -129,3 +129,12 @@ def test_the_hf_backend_runs_episodes_unchanged(model, tok):
     run = run_episodes(engine, tok, FixedText, PROBLEMS[:2], budget=Budget(max_turns=6, max_tokens=300, turn_tokens=6),
                        params=SamplingParams(temperature=0.0))
     assert run.prefill_tokens_saved == 0 and [e.turns for e in run.episodes] == [1, 2]
+
+
+def test_the_recipe_key():
+    from posttrain.runtime.config import EnvSpec
+
+    assert EnvSpec(name="tools").keep_kv is True                      # on by default
+    assert EnvSpec(name="tools", keep_kv=False).keep_kv is False
+    with pytest.raises(ValueError, match="keep_kvs"):                 # a typo is named, not ignored
+        EnvSpec(name="tools", keep_kvs=False)
