@@ -301,7 +301,8 @@ class NativeEngine:
         batch = prompt_ids.shape[0]
         if isinstance(self.step, FusedDecoder):  # positions reach P + budget whatever the layout
             self.step.prepare(prompt_ids.shape[1] + budget, device)
-        self.prefix_cache.check(self._weights_stamp())
+        if self.prefix_cache.entries or (keep is not None and any(k is not None for k in keep)):
+            self.prefix_cache.check(self._weights_stamp())                # stale entries go before any lookup
         rows = batch * n
         stops = StopStrings(params.stop, self.tokenizer)
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
