@@ -154,8 +154,9 @@ def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, fact
     what generation did not hide).
 
     `keep_kv`: keep each episode's KV cache across its turns where the engine can (`prefix_cache_of`;
-    departure 1): the same tokens and, up to fp32 round-off in the log-probs, the same numbers, with
-    only the new tokens prefilled. A turn that is the episode's last by the turn budget keeps nothing."""
+    departure 1), prefilling only the new tokens: in fp32 the same tokens and log-probs up to round-off
+    (in bf16, seeded samples may part where a draw meets a rounding shift: docs/rollout.md). A turn that
+    is the episode's last by the turn budget keeps nothing."""
     if params.n != 1:
         raise ValueError(f"run_episodes: params.n={params.n}; repeat the problem instead (one episode per row)")
     transcript = Transcript(tokenizer, engine.eos_ids)
