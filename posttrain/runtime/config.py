@@ -163,6 +163,7 @@ class EnvSpec(Strict):
     max_turns: int = Field(4, gt=0, description="assistant turns per episode at most")
     max_tokens: int = Field(256, gt=1, description="tokens per episode at most: first prompt, model turns and environment text")
     tool_wait_s: float | None = Field(None, gt=0, description="None: lockstep rounds (reproducible); seconds: rows whose environment step takes longer join a later generate call")
+    keep_kv: bool = Field(True, description="keep each episode's KV cache across its turns where the rollout engine can (native): a turn prefills only its new tokens (docs/envs.md)")
 
 
 class GRPOStage(TrainStage):

@@ -64,7 +64,7 @@ def collect_episode_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngin
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=ctx.recipe.seed * 1_000_003 + step * 101)
     budget = Budget(max_turns=cfg.env.max_turns, max_tokens=cfg.env.max_tokens, turn_tokens=cfg.max_new_tokens)
     run = run_episodes(engine, ctx.tokenizer, factory, batch_problems, budget=budget, params=params,
-                       tool_wait_s=cfg.env.tool_wait_s, phase=lambda name: ctx.phase(name, stage=cfg.folder, step=step))
+                       tool_wait_s=cfg.env.tool_wait_s, keep_kv=cfg.env.keep_kv, phase=lambda name: ctx.phase(name, stage=cfg.folder, step=step))
     eps = run.episodes
     with ctx.phase("score", stage=cfg.folder, step=step):
         model_tokens = [int(e.model_mask.sum()) for e in eps]
@@ -84,7 +84,10 @@ def collect_episode_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngin
               "response/length_mean": sum(model_tokens) / len(eps), "response/length_max": float(max(model_tokens)),
               "response/clipped_ratio": sum(e.end is not EpisodeEnd.DONE for e in eps) / len(eps),
               "groups/zero_variance_frac": float((judged & ~varied).sum()) / want,
-              "groups/unjudged": float(missing.sum()), "episode/generate_calls": float(run.generate_calls)})
+              "groups/unjudged": float(missing.sum()), "episode/generate_calls": float(run.generate_calls),
+              # prompt tokens of all turns' generate calls, and those a kept KV cache spared the prefill
+              "episode/prompt_tokens": float(run.prompt_tokens),
+              "episode/prefill_tokens_saved": float(run.prefill_tokens_saved)})
     adv_kept = adv[groups].reshape(-1) if groups else torch.zeros(0)
     return EpisodeGroups(kept, adv_kept, m)
 
