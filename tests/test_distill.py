@@ -109,3 +109,37 @@ def test_a_teacher_that_is_no_stage_and_no_model_is_an_error_naming_the_field(tm
     with pytest.raises(RunError, match=r"stages\[1\]\.teacher: 'nowhere'"):
         run_pipeline(Recipe.model_validate(d), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+# ---- quality gates on what a collect step keeps ----------------------------------------------------
+def test_gates_drop_kept_rows_that_are_eval_problems_and_count_them(tmp_path, policy_dir, tokenizer, world):
+    import json
+
+    from posttrain.runtime.config import Recipe as R
+    from posttrain.tasks.arithmetic import ArithmeticTask
+
+    task = ArithmeticTask(world=world)
+    evals = task.eval_problems("L1")[:4]  # planted: 4 held-out eval problems among 4 training ones
+    mixed = evals + task.records("problem", 4, seed_offset=7, levels=["L1"])
+    src = tmp_path / "problems.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer, "level": p.level}) + "\n" for p in mixed))
+
+    def run(name: str, gates: list[str]):
+        cfg = RejectionSamplingStage(name=name, samples=8, batch_prompts=8, max_new_tokens=32, min_reward=-1e9,
+                                     keep="all_correct", rewards=[{"name": "length", "params": {"max_len": 64, "count": "chars"}}],
+                                     data=[{"path": str(src)}], gates=gates)
+        ctx, sink = make_ctx(tmp_path, policy_dir, tokenizer, world, cfg)
+        ctx.recipe = R(stages=[cfg], threads=1, evals=[{"task": "arithmetic", "levels": ["L1"], "per_level": 8}])
+        run_rejection_sampling(cfg, ctx)
+        rows = [json.loads(x) for x in output_path(cfg, tmp_path).read_text().splitlines()]
+        return rows, [r for r in sink.records if "rs/rows" in r][-1]
+
+    plain, _ = run("plain", [])
+    gated, m = run("gated", ["exact_dedup", "decontaminate"])
+    eval_prompts = {p.prompt for p in evals}
+    planted = [r for r in plain if r["messages"][-2]["content"] in eval_prompts]
+    assert planted, "no kept row for a planted eval problem: the test would prove nothing"
+    # the same seeded samples; the gated file is the plain one without the rows of eval problems
+    assert gated == [r for r in plain if r not in planted]
+    assert m["gate/exact_dedup/seen"] == m["gate/exact_dedup/kept"] == len(plain)  # the stage already deduplicated
+    assert m["gate/decontaminate/removed/eval overlap"] == len(planted) and m["rs/rows"] == len(gated)

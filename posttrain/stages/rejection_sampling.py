@@ -42,6 +42,9 @@ Departures (numbered):
    (teacher and student may differ in size, architecture and vocabulary). A `reward_model` scores
    token ids, so with a teacher it needs the teacher's tokenizer to be the run's (checked).
    `final/` holds the current policy (the student), not the teacher.
+8. With `gates`, the rows to be written pass through the quality gates (exact / near dedup,
+   decontamination against the recipe's evals; `_collect_gates.py`), their counts logged as
+   `gate/…` metrics with the stage's summary row — per round inside a rounds block.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from posttrain.runtime.config import Recipe, RejectionSamplingStage
 from posttrain.runtime.context import RunContext, StageResult
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import Rollout, SamplingParams
+from posttrain.stages._collect_gates import gate_metrics, gate_rows, recipe_eval_index
 from posttrain.stages._collect_journal import Journal, JudgedBatch, fingerprint, journal_path, read_journal
 from posttrain.stages._learned_reward import (
     RewardModelScorer,
@@ -348,9 +352,15 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
         close_rewards(verifiers)
 
     # ---- save ----------------------------------------------------------------------------------
+    index = recipe_eval_index(ctx) if "decontaminate" in cfg.gates else None
+    rows, gated = gate_rows(rows, "sft", cfg.gates, index, str(out_path))
+    pair_rows, pairs_gated = gate_rows(pair_rows, "preference", cfg.gates if cfg.pairs else [], index, str(pairs_out))
+    for r in gated + pairs_gated:
+        ctx.console.print(f"{stage}: gate {r.summary()}")
     if not rows:
         raise ValueError(f"{stage}: no sample reached min_reward={cfg.min_reward} on {len(problems)} prompts × "
-                         f"{cfg.samples} samples; nothing to write (lower min_reward or raise samples)")
+                         f"{cfg.samples} samples" + (f" and passed the gates {cfg.gates}" if cfg.gates else "")
+                         + "; nothing to write (lower min_reward or raise samples)")
     if pairs_out is not None and not pair_rows:
         raise ValueError(f"{stage}: no preference pair on {len(problems)} prompts × {cfg.samples} samples (no prompt had a "
                          f"sample ≥ min_reward={cfg.min_reward} and a finished one more than pair_margin={cfg.pair_margin} "
@@ -363,7 +373,8 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     summary = {"rs/rows": float(len(rows)), "rs/accept_rate": passes / samples, "rs/prompts": float(len(problems)),
                "rs/batches_replayed": float(len(journaled)), "rs/batches_judged": float(n_steps - len(journaled)),
                **({"rs/pairs": float(len(pair_rows))} if cfg.pairs else {}),
-               **{f"rs/{k}": float(v) for k, v in totals.items()}}
+               **{f"rs/{k}": float(v) for k, v in totals.items()},
+               **gate_metrics(gated), **gate_metrics(pairs_gated, "pairs.")}
     ctx.log(stage, n_steps, {**last, **summary})
     ctx.console.print(f"{stage}: wrote {len(rows):,} SFT rows to {out_path} (accept rate {passes / samples:.1%}; "
                       f"{totals['prompts_without_keep']} prompts without a kept sample, {totals['duplicates']} duplicates)")
