@@ -41,8 +41,9 @@ def stage_seconds(run_dir: Path) -> dict[str, float]:
 
 
 def final_evals(run_dir: Path) -> tuple[str, dict[str, tuple[float, float, int]]]:
-    """The last evaluated stage and its exact match per level: (value, stderr, n)."""
-    rows = [r for r in _jsonl(run_dir / "evals.jsonl") if r["metric"] == "exact_match"]
+    """The last evaluated stage and its graded eval (the arithmetic task's exact match, not the prose
+    probe) per level: (value, stderr, n)."""
+    rows = [r for r in _jsonl(run_dir / "evals.jsonl") if r["metric"] == "exact_match" and r["eval"] == "arithmetic"]
     last = rows[-1]["stage"]
     return last, {r["level"]: (r["value"], r["stderr"], r["n"]) for r in rows if r["stage"] == last}
 
