@@ -269,7 +269,7 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     journaled, note = read_journal(jpath, fp)
     journaled = journaled[:n_steps]
     if note:
-        ctx.console.print(f"[yellow]{stage}: {note}; resuming after batch {len(journaled)} of {n_steps}")
+        ctx.console.print(f"[yellow]{stage}: {note}" + (f"; resuming after batch {len(journaled)} of {n_steps}" if journaled else ""))
     verifiers = build_rewards(cfg.rewards)
     model = engine = None
     if len(journaled) < n_steps:  # something left to generate
