@@ -143,3 +143,32 @@ def test_gates_drop_kept_rows_that_are_eval_problems_and_count_them(tmp_path, po
     assert gated == [r for r in plain if r not in planted]
     assert m["gate/exact_dedup/seen"] == m["gate/exact_dedup/kept"] == len(plain)  # the stage already deduplicated
     assert m["gate/decontaminate/removed/eval overlap"] == len(planted) and m["rs/rows"] == len(gated)
+
+
+def test_a_teacher_with_another_tokenizer_generates_text_the_student_reads(tmp_path, policy_dir, tokenizer, world):
+    import json
+
+    from posttrain.data import encode_sft_dataset, read_jsonl
+    from posttrain.models import build_tiny, train_tokenizer
+    from conftest import make_reward_model
+
+    # a teacher with its own, smaller vocabulary (trained on less text, 300 tokens): ids mean other things
+    texts = list(world.pretrain_documents(200)) + [f"user\n{ex[0]['content']}\nassistant\n{ex[1]['content']}"
+                                                   for ex in world.sft_split(100)]
+    other = train_tokenizer(texts, vocab_size=300)
+    assert other.get_vocab() != tokenizer.get_vocab()
+    teacher = tmp_path / "teacher"
+    build_tiny("tiny-1m", vocab_size=len(other), seed=2, max_seq_len=160, pad_token_id=other.pad_token_id,
+               eos_token_id=other.eos_token_id).save_pretrained(teacher)
+    other.save_pretrained(teacher)
+    data, _, _ = _rs(tmp_path, "distill", policy_dir, tokenizer, world, teacher=str(teacher))
+    rows = [json.loads(x) for x in data.decode().splitlines()]
+    assert rows and all(r["messages"][0]["role"] == "user" for r in rows)
+    # the kept text is re-tokenized by the student's tokenizer: it reads and encodes as SFT data
+    records = read_jsonl(tmp_path / "data" / "distill.jsonl", "sft").records
+    encoded, _ = encode_sft_dataset(records, tokenizer, 160, truncation="error")
+    assert len(encoded) == len(rows)
+    # a reward model scores the run's token ids: refused with a teacher of another vocabulary
+    rm = make_reward_model(tmp_path / "rm", policy_dir)
+    with pytest.raises(ValueError, match="has another tokenizer than the run's"):
+        _rs(tmp_path, "rm", policy_dir, tokenizer, world, teacher=str(teacher), reward_model=str(rm))
