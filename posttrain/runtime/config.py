@@ -228,11 +228,15 @@ class RejectionSamplingStage(StageBase):
     pair_margin: float = Field(0.0, ge=0, description="a pair needs the chosen's summed reward above the rejected's by more than this")
     pairs_output: Path | None = Field(None, description="where to write the pairs, `preference` schema (default <run dir>/data/<name>.pairs.jsonl)")
     draw: int = Field(0, ge=0, description="which draw of a task's problems and of the sampling seeds: another draw, other prompts and samples (in a rounds block `draw: \"{round}\"` gives each round fresh prompts)")
+    gates: list[Literal["exact_dedup", "near_dedup", "decontaminate"]] = Field(default_factory=list, description="quality gates on the rows before they are written, in order (docs/gates.md); decontaminate: against the recipe's evals; each gate's counts join the stage's summary metrics")
+    teacher: str | None = Field(None, description="distillation: a stage of this run (its final checkpoint) or a model folder that generates the candidates instead of the current policy; it may differ in size and architecture, and brings its own tokenizer (prompts are encoded with it, candidates kept as text; docs/distillation.md). The stage's checkpoint stays the current policy (the student)")
 
     @model_validator(mode="after")
     def _scored(self) -> RejectionSamplingStage:
         if not self.rewards and self.reward_model is None:
             raise ValueError("rewards is empty and no reward_model is set: nothing would score the samples")
+        if self.teacher is not None and not self.teacher.strip():
+            raise ValueError("teacher: empty; name a stage of this run or a model folder (or leave it out)")
         return self
 
     @property
