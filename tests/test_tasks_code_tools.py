@@ -365,6 +365,9 @@ class ScriptedPolicy:
     def sync_weights(self, model) -> int:
         return 0
 
+    def release_memory(self) -> int:
+        return 0
+
     def generate(self, prompts, params):
         texts = []
         for j, p in enumerate(prompts):
