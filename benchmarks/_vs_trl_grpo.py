@@ -39,8 +39,10 @@ import time
 from pathlib import Path
 
 G, SEQS, COMPLETION, LR = 8, 16, 32, 1e-6
-TRL_MODES = {"defaults": "CPU defaults", "fp32": "plain fp32", "bf16": "bf16 autocast, no checkpointing"}
-SIDES = ("posttrain-fp32", "posttrain-bf16", "trl-defaults", "trl-fp32", "trl-bf16")
+TRL_MODES = {"defaults": "CPU defaults", "fp32": "plain fp32", "bf16": "bf16 autocast, no checkpointing",
+             "paged": "bf16 autocast, no checkpointing, transformers' paged (continuous-batching) generate"}
+SIDES = ("posttrain-fp32", "posttrain-bf16", "trl-defaults", "trl-fp32", "trl-bf16", "trl-paged")
+LORA = {"r": 16, "alpha": 32}  # on every linear layer, both sides (PEFT's target_modules="all-linear")
 # each of ours against the TRL configurations it is compared with (same precision; TRL's defaults are bf16)
 PAIRS = {"posttrain-fp32": ("trl-fp32", "trl-defaults"), "posttrain-bf16": ("trl-bf16", "trl-defaults")}
 
@@ -49,7 +51,7 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def prepare(folder: Path, *, problems: int = 512) -> tuple[Path, Path]:
+def prepare(folder: Path, *, problems: int = 512, max_seq_len: int = 160) -> tuple[Path, Path]:
     """The shared tiny-30m folder (weights + tokenizer) and problem JSONL."""
     from posttrain.models import build_tiny, train_tokenizer
     from posttrain.worlds.arithmetic import ArithmeticWorld
@@ -58,7 +60,7 @@ def prepare(folder: Path, *, problems: int = 512) -> tuple[Path, Path]:
     texts = list(world.pretrain_documents(2000))
     texts += [f"user\n{ex[0]['content']}\nassistant\n{ex[1]['content']}" for ex in world.sft_split(1000)]
     tok = train_tokenizer(texts, vocab_size=512)
-    model = build_tiny("tiny-30m", vocab_size=len(tok), seed=0, max_seq_len=160,
+    model = build_tiny("tiny-30m", vocab_size=len(tok), seed=0, max_seq_len=max_seq_len,
                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     model_dir, data = folder / "tiny-30m", folder / "problems.jsonl"
     model.save_pretrained(model_dir)
@@ -70,7 +72,9 @@ def prepare(folder: Path, *, problems: int = 512) -> tuple[Path, Path]:
 
 
 # ---- our side --------------------------------------------------------------------------------------
-def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: bool) -> dict:
+def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: bool, completion: int = COMPLETION,
+             lora: bool = False, overrides: dict | None = None) -> dict:
+    """`overrides`: fields of our grpo stage to set (an A/B of one setting in one process)."""
     import torch
     from rich.console import Console
 
@@ -84,12 +88,12 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
     from posttrain.worlds.arithmetic import ArithmeticWorld
 
     torch.set_num_threads(threads)
-    stage = {"stage": "grpo", "steps": steps + 1, "batch_size": SEQS, "group_size": G, "max_new_tokens": COMPLETION,
+    stage = {"stage": "grpo", "steps": steps + 1, "batch_size": SEQS, "group_size": G, "max_new_tokens": completion, "max_prompt_len": 160,
              "temperature": 1.0, "kl_coef": 0.0, "loss": "dapo", "mu": 1, "rewards": [{"name": "gold"}],
              "data": [{"path": str(data)}], "log_every": 1, "save_every": steps + 1,
-             "optim": {"lr": LR, "warmup_steps": 0, "min_lr_ratio": 1.0}}
+             "optim": {"lr": LR, "warmup_steps": 0, "min_lr_ratio": 1.0}, **(overrides or {})}
     recipe = Recipe.model_validate({"name": "bench", "threads": threads, "dtype": "bf16" if bf16 else "fp32",
-                                    "stages": [stage]})
+                                    "stages": [stage], **({"lora": LORA} if lora else {})})
     records: list[dict] = []
     cpu: list[float] = []
 
@@ -118,8 +122,8 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
     precision = ("bf16 autocast over fp32 master weights, rollout from bf16 weight copies (fp32 attention "
                  "over a bf16 KV cache where the C kernels run)" if bf16 else "fp32")
     settings = (f"posttrain grpo stage: {precision}, no activation checkpointing, native rollout engine (KV cache, "
-                f"fused Llama kernels), loss dapo (token mean, clip 0.8–1.28), G={G}, {SEQS} seq/step, ≤{COMPLETION} new "
-                f"tokens, T=1, kl_coef 0, μ=1, grad_accum 1, AdamW lr {LR}, {threads} threads")
+                f"fused Llama kernels), loss dapo (token mean, clip 0.8–1.28), G={G}, {SEQS} seq/step, ≤{completion} new "
+                f"tokens, {'LoRA r 16 α 32 on every linear' if lora else 'full fine-tuning'}, T=1, kl_coef 0, μ=1, grad_accum 1, AdamW lr {LR}, {threads} threads")
     return {"side": "posttrain-bf16" if bf16 else "posttrain-fp32", "settings": settings, "s_per_step": statistics.median(times),
             "cpu_s_per_step": statistics.median(cpu_times), "steps": len(times),
             "peak_rss_mib": _rss_mib(), "rss_after_setup_mib": base,
@@ -129,7 +133,8 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
 
 
 # ---- TRL -------------------------------------------------------------------------------------------
-def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, mode: str) -> dict:
+def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, mode: str, completion: int = COMPLETION,
+            lora: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -159,17 +164,24 @@ def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, mode: str)
                 lengths.append(logs["completions/mean_length"])
 
     extra = {"defaults": {}, "fp32": {"bf16": False, "gradient_checkpointing": False},
-             "bf16": {"bf16": True, "gradient_checkpointing": False}}[mode]
+             "bf16": {"bf16": True, "gradient_checkpointing": False},
+             "paged": {"bf16": True, "gradient_checkpointing": False, "use_transformers_paged": True}}[mode]
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(output_dir=out, per_device_train_batch_size=SEQS, num_generations=G,
-                          max_completion_length=COMPLETION, temperature=1.0, beta=0.0, num_iterations=1,
+                          max_completion_length=completion, temperature=1.0, beta=0.0, num_iterations=1,
                           loss_type="dapo", learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
                           max_steps=steps + 1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
                           disable_tqdm=True, **extra)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(model_dir)
+        peft = None
+        if lora:
+            from peft import LoraConfig
+
+            peft = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
+                              task_type="CAUSAL_LM")
         trainer = GRPOTrainer(model=model, reward_funcs=gold, args=args, train_dataset=ds, processing_class=tok,
-                              callbacks=[Clock()])
+                              callbacks=[Clock()], peft_config=peft)
         generate_and_score = trainer._generate_and_score_completions
         rollout_seconds: list[float] = []
 
@@ -189,6 +201,7 @@ def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, mode: str)
                 f"bf16={a.bf16}, gradient_checkpointing={a.gradient_checkpointing}, loss {a.loss_type}, "
                 f"G={a.num_generations}, {a.per_device_train_batch_size} seq/step, ≤{a.max_completion_length} new tokens, "
                 f"T={a.temperature}, beta {a.beta}, num_iterations {a.num_iterations}, "
+                f"{'LoRA r 16 α 32 on every linear, ' if lora else ''}"
                 f"transformers generate, AdamW lr {a.learning_rate}, {threads} threads")
     rollout = rollout_seconds[1:len(times) + 1]  # one per step (μ = 1), the warm-up step's dropped
     if len(rollout) != len(times):
@@ -203,9 +216,11 @@ def run_trl(model_dir: Path, data: Path, steps: int, threads: int, *, mode: str)
 
 
 # ---- driver ----------------------------------------------------------------------------------------
-def _side(side: str, model_dir: Path, data: Path, steps: int, threads: int) -> dict:
+def _side(side: str, model_dir: Path, data: Path, steps: int, threads: int, *, completion: int = COMPLETION,
+          lora: bool = False) -> dict:
+    """One side in its own subprocess (its peak RSS is its own); the JSON line it prints."""
     cmd = [sys.executable, __file__, "--side", side, "--model", str(model_dir), "--data", str(data),
-           "--steps", str(steps), "--threads", str(threads)]
+           "--steps", str(steps), "--threads", str(threads), "--completion", str(completion)] + ["--lora"] * lora
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} failed:\n{proc.stderr[-3000:]}")
@@ -221,7 +236,7 @@ def _roofline_text(roofline: dict | None) -> str:
     return f"; roofline: {'; '.join(bits)}" if bits else ""
 
 
-def bench_grpo(steps: int = 6, threads: int = 2, sides: tuple[str, ...] = SIDES, repeats: int = 1) -> dict:
+def bench_grpo(steps: int = 6, threads: int = 2, sides: tuple[str, ...] = SIDES[:5], repeats: int = 1) -> dict:
     """Run the sides `repeats` times (the order reversed on every other round, so slow drifts of the
     machine hit both), print settings, s/step, peak memory and the speed-ups; return the numbers.
 
@@ -263,7 +278,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--side", choices=SIDES, help="run one side in this process (the driver's subprocess)")
-    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="the sides to run")
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES[:5]), help="the sides to run")
+    ap.add_argument("--completion", type=int, default=COMPLETION, help="completion tokens at most (a side's setting)")
+    ap.add_argument("--lora", action="store_true", help="LoRA adapters instead of full fine-tuning (a side's setting)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds over the sides (medians; order alternates)")
     ap.add_argument("--model", type=Path)
     ap.add_argument("--data", type=Path)
@@ -275,9 +292,9 @@ def main() -> None:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if a.side.startswith("posttrain"):
-        r = run_ours(a.model, a.data, a.steps, a.threads, bf16=a.side == "posttrain-bf16")
+        r = run_ours(a.model, a.data, a.steps, a.threads, bf16=a.side == "posttrain-bf16", completion=a.completion, lora=a.lora)
     else:
-        r = run_trl(a.model, a.data, a.steps, a.threads, mode=a.side.removeprefix("trl-"))
+        r = run_trl(a.model, a.data, a.steps, a.threads, mode=a.side.removeprefix("trl-"), completion=a.completion, lora=a.lora)
     print(json.dumps(r))
 
 

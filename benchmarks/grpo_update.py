@@ -2,6 +2,7 @@
 
     python benchmarks/grpo_update.py                          # the GRPO benchmark's shape: 2 prompts × G 8, 22 + 32 tokens
     python benchmarks/grpo_update.py --prompt-len 200 --reps 5
+    python benchmarks/grpo_update.py --profile --threads 1 --reps 3   # op table: where the update's time goes
 
 Same model (tiny-30m, random init), same tokens, bf16 autocast over fp32 weights (the `dtype: bf16`
 recipes) or fp32 (`--fp32`), eager attention (what `attention: auto` picks on a CPU under bf16): the
@@ -41,6 +42,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fp32", action="store_true", help="no autocast (fp32 forward and backward)")
+    ap.add_argument("--profile", action="store_true", help="instead: torch.profiler's op table of the shared-prompt "
+                                                          "update with a fused AdamW step (where the update's time goes)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model = build_tiny("tiny-30m", vocab_size=512, seed=0, max_seq_len=a.prompt_len + a.completion_len + 8, pad_token_id=0)
@@ -50,7 +53,7 @@ def main() -> None:
     p, n = a.prompt_len, a.completion_len
     targets = ids[:, p:]
 
-    def run(shared: bool) -> float:
+    def run(shared: bool, keep_grads: bool = False) -> float:
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not a.fp32):
             if shared:
@@ -59,9 +62,23 @@ def main() -> None:
                 logits = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
                                logits_to_keep=n).logits  # as the stage's padded path: the last token is no input
         torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).sum().backward()
-        model.zero_grad(set_to_none=True)
+        if not keep_grads:
+            model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
+    if a.profile:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+        for _ in range(2):
+            run(True)
+        from torch.profiler import profile
+
+        with profile() as prof:
+            for _ in range(a.reps):
+                run(True, keep_grads=True)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        return
     for _ in range(2):
         run(False), run(True)
     times: dict[bool, list[float]] = {False: [], True: []}

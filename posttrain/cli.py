@@ -110,7 +110,7 @@ def run(
 @app.command("eval")
 def eval_(
     checkpoint: Annotated[str, typer.Argument(help="an HF checkpoint folder (ours or not), or a named one: smollm2-135m-instruct")],
-    task: Annotated[str | None, typer.Option(help="a built-in task: arithmetic, arithmetic-tools, code, humaneval")] = None,
+    task: Annotated[str | None, typer.Option(help="a built-in task: arithmetic, arithmetic-tools, code, code-tools, humaneval")] = None,
     path: Annotated[Path | None, typer.Option(help="a `problem` JSONL file (docs/data.md) instead of --task")] = None,
     verifier: Annotated[str | None, typer.Option(help="the verifier that judges replies to --path (math, code, …)")] = None,
     k: Annotated[list[int] | None, typer.Option(help="sampled pass@k, repeatable: --k 1 --k 10")] = None,

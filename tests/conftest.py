@@ -211,8 +211,8 @@ class Recording:
         self.engine, self.calls = engine, []
         self.name, self.pad_id, self.eos_ids = engine.name, engine.pad_id, engine.eos_ids
 
-    def generate(self, prompts, params):
-        ro = self.engine.generate(prompts, params)
+    def generate(self, prompts, params, **kw):  # kw: the native engine's keep= (prefix cache)
+        ro = self.engine.generate(prompts, params, **kw)
         lengths = ro.completion_lengths.tolist()
         self.calls.append([(list(p), ro.completion_ids[j, :lengths[j]].tolist()) for j, p in enumerate(prompts)])
         return ro

@@ -87,6 +87,8 @@ def test_episode_grpo_learns_and_changes_every_parameter(smoke, policy_dir):
         assert r["episode/tool_use_frac"] == 1.0 and r["episode/tool_errors"] == 0.0
         assert r["episode/end_turn_budget_frac"] == 0.0 and r["episode/tokens_mean"] <= 120
         assert r.get("reward/tool_share", 1.0) == 1.0  # every episode used the tool: all the reward is theirs
+        # turn 2 starts from the KV cache turn 1 kept (env.keep_kv, on by default): its prefill is saved, turn 1's is not
+        assert 0 < r["episode/prefill_tokens_saved"] < r["episode/prompt_tokens"]
     for key in ("kl", "entropy", "clip/low", "train/grad_norm", "response/length_mean", "reward/pass_rate",
                 "groups/zero_variance_frac", "episode/env_seconds"):
         assert all(math.isfinite(r[key]) for r in recs), key

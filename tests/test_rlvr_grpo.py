@@ -276,3 +276,22 @@ def test_stage_with_shared_prompts_stays_on_policy(tmp_path, policy_dir, tokeniz
     assert len(recs) == 2
     assert recs[0]["clip/ratio_max"] == pytest.approx(1.0, abs=1e-3)
     assert recs[0]["kl"] == pytest.approx(0.0, abs=1e-4)  # step 1: the policy is still the reference
+
+
+def test_activation_checkpointing_gives_the_same_training(tmp_path, policy_dir, tokenizer, world, monkeypatch):
+    """`activation_checkpointing: true` recomputes each layer inside the backward — through the shared-prefix
+    attention the forward ran (the switch spans the backward): the same rollouts, the same updates. Without
+    that span the recomputation runs another kernel and torch's checkpoint raises (different saved tensors)."""
+    monkeypatch.setattr(grpo_mod, "build_rewards", lambda specs: [WeightedVerifier("digits", _digits)])
+    finals = {}
+    for ckpt in (False, True):
+        cfg = GRPOStage(steps=2, batch_size=16, group_size=4, max_new_tokens=8, log_every=1, save_every=8,
+                        loss="dapo", share_prompt=True, activation_checkpointing=ckpt, data=[{"world": "arithmetic", "n": 50}],
+                        optim={"lr": 1e-3, "warmup_steps": 0, "min_lr_ratio": 1.0})
+        ctx, _ = make_ctx(tmp_path / str(ckpt), policy_dir, tokenizer, world, cfg)
+        finals[ckpt] = load_model(run_grpo(cfg, ctx).checkpoint).state_dict()
+    start = load_model(policy_dir).state_dict()
+    moved = max(float((finals[False][k] - start[k]).abs().max()) for k in start)
+    diff = max(float((finals[False][k] - finals[True][k]).abs().max()) for k in start)
+    assert moved > 1e-4      # the two steps trained (lr 1e-3)
+    assert diff < 1e-6       # recomputed activations are the same numbers: fp32 round-off at most

@@ -272,6 +272,34 @@ def test_a_rebuild_into_the_previous_buffers_equals_a_fresh_build(tok, dtype, ma
     assert torch.equal(after.policy_logprobs, fresh.policy_logprobs)
 
 
+@pytest.mark.parametrize("dtype, matmul", [(None, "mm"), (torch.bfloat16, "dnn"), (torch.bfloat16, "c")])
+def test_release_memory_frees_the_copies_and_sync_rebuilds_them_exactly(tok, dtype, matmul):
+    """What the RL stages do around every update: `release_memory` after the rollout (the engine then
+    holds no weight copy or decode form), an optimizer step, `sync_weights` — which must rebuild the copies
+    *and* the decode forms the last generate used, so the next rollout equals a fresh engine's bit for bit."""
+    if not FORMS[matmul].available(dtype or torch.float32, 3):
+        pytest.skip(f"this CPU cannot run the {matmul} form on {dtype} weights")
+    model = _model(tok, "tiny-30m")
+    prompts, params = prompts_of(tok, 3), SamplingParams(max_new_tokens=8, seed=5)
+    engine = NativeEngine(model, tok, kernels="fused", dtype=dtype, matmul=matmul)
+    engine.generate(prompts, params)
+    held = engine.memory_bytes()["fused weights"]
+    freed = engine.release_memory()
+    assert freed == held > 0
+    assert engine.memory_bytes()["fused weights"] == 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.05)
+    moved = engine.sync_weights(model)
+    assert engine.memory_bytes()["fused weights"] == held  # copies and decode forms back, before any generate
+    assert moved > held  # the rebuild read the parameters and wrote every copy and form
+    after = engine.generate(prompts, params)
+    fresh = NativeEngine(model, tok, kernels="fused", dtype=dtype, matmul=matmul).generate(prompts, params)
+    assert torch.equal(after.completion_ids, fresh.completion_ids)
+    assert torch.equal(after.policy_logprobs, fresh.policy_logprobs)
+    assert engine.release_memory() == held and engine.release_memory() == 0  # a second release frees nothing more
+
+
 def test_small_bf16_weights_are_multiplied_in_fp32_on_their_exact_values(tok, tiny1m):
     """tiny-1m in bf16 decodes in fp32 (`projections.compute_dtype`): the log-probs are then those of the bf16
     model's values in exact fp32 arithmetic, i.e. of the widened model, to fp32 precision."""

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import finish_run, metric_rows, start_run, tiny_recipe_dict
+from conftest import metric_rows, start_run, tiny_recipe_dict
 from posttrain.cli import app
 from posttrain.pipeline.run import run_pipeline
 from posttrain.report import write_report
@@ -238,6 +238,17 @@ def test_killed_inside_round_2s_collect_resumes_to_the_same_files(two_rounds, tm
     run_pipeline(recipe, run_dir, resume=True)
     _same_run(run_dir, two_rounds)
     assert sorted(metric_rows(run_dir)) == sorted(metric_rows(two_rounds))
+    # batch 1 of 3 (8 of 24 prompts) was judged and journaled before the kill: replayed, not judged again
+    assert _collect_counts(run_dir) == (1.0, 2.0, [2, 3])
+    assert _collect_counts(two_rounds) == (0.0, 3.0, [1, 2, 3])
+
+
+def _collect_counts(run_dir: Path, stage: str = "r2.rejection_sampling") -> tuple[float, float, list[int]]:
+    """Round 2's collect: (batches replayed from the journal, batches judged, the steps of its `score`
+    phases in phases.jsonl — one per batch judged in the run that finished it)."""
+    summary = [m for m in _jsonl(run_dir / "metrics.jsonl") if m["stage"] == stage and "rs/rows" in m][-1]
+    scored = [p["step"] for p in _jsonl(run_dir / "phases.jsonl") if p["stage"] == stage and p["name"] == "score"]
+    return summary["rs/batches_replayed"], summary["rs/batches_judged"], scored
 
 
 @pytest.mark.slow
@@ -249,14 +260,23 @@ def test_sigkill_inside_round_2s_collect_resumes_to_the_same_files(two_rounds, t
     recipe = tmp_path / "rounds.yaml"
     recipe.write_text(yaml.safe_dump(two_round_recipe(run_dir)))
 
+    journal = run_dir / "journal" / "r2.rejection_sampling.jsonl"
     proc, deadline = start_run(recipe, run_dir), time.time() + 900
-    while ("r2.rejection_sampling", 1) not in metric_rows(run_dir):
+    while not (journal.is_file() and journal.read_bytes().count(b"\n") >= 2):  # header + batch 1 judged
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, "round 2's collect never started"
-        time.sleep(0.02)
+        assert time.time() < deadline, "round 2's collect never judged a batch"
+        time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (run_dir / "rounds" / "2" / "sft.jsonl").exists()  # killed inside the collect step
-    finish_run(start_run(recipe, run_dir, resume=True))
+    judged = journal.read_bytes().count(b"\n") - 1
+    assert 1 <= judged < 3, f"the kill landed after {judged} of 3 batches"
+    with journal.open("ab") as f:  # what a kill in the middle of the next batch's write leaves
+        f.write(b'{"step": %d, "texts": ["12' % (judged + 1))
+    resumed = start_run(recipe, run_dir, resume=True)
+    _, err = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, err[-3000:]
     _same_run(run_dir, two_rounds)
     assert sorted(metric_rows(run_dir)) == sorted(metric_rows(two_rounds))
+    # the journaled batches were neither generated nor judged again; the torn one was judged once more
+    assert _collect_counts(run_dir) == (float(judged), float(3 - judged), list(range(judged + 1, 4)))

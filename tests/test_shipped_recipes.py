@@ -125,6 +125,17 @@ def test_tools_arithmetic_episodes_in_the_tasks_environment(tmp_path, monkeypatc
     assert {(e["eval"], e["metric"]) for e in evals} == {("arithmetic-tools", "exact_match"), ("arithmetic-tools", "tool_use")}
 
 
+def test_code_tools_episodes_with_hidden_tests(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = run_shrunk("code-tools", tmp_path)
+    check(run_dir, ["grpo"])
+    grpo = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"grpo"' in x]
+    keys = {"episode/tool_calls_mean", "episode/tool_errors", "tool/hidden_probe", "tool/hidden_probe_frac", "reward/env"}
+    assert len(grpo) == 2 and all(keys <= set(m) for m in grpo)  # each step logged its episodes' tools and probes
+    evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert {(e["eval"], e["metric"]) for e in evals} == {("code-tools", "pass"), ("code-tools", "tool_use")}
+
+
 # llama3's rounds collect with the gold judge at min_reward 0.9, which a policy trained 4 steps never
 # reaches (and it rarely ends a turn in 8 tokens): shrunk, each round's collect scores by length
 # (always judged, different between replies) with min_reward −1 and 8 samples of up to 32 tokens, so
@@ -151,3 +162,27 @@ def test_shipped_recipe_runs_end_to_end(name, stages, extra, tmp_path, monkeypat
         assert all((run_dir / "rounds" / str(k) / f).is_file() for k in (1, 2, 3) for f in ("sft.jsonl", "pairs.jsonl"))
         evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
         assert {(e["stage"], e["round"]) for e in evals} >= {("sft", None), ("r3.dpo", 3)}
+
+
+# The distillation experiment, shrunk: the teacher, then the student SFT'd on its traces (the
+# collect step scored by length, as llama3's above: a teacher trained 2 steps rarely ends a turn, let
+# alone correctly), then the RL arm from the distillation run's pretrained student. Each later recipe
+# names the earlier run's folder relative to the working directory, as shipped.
+DISTILL_COLLECT = "stages.1"
+DISTILL_SHRUNK = [f"{DISTILL_COLLECT}.samples=8", f"{DISTILL_COLLECT}.max_new_tokens=32",
+                  f"{DISTILL_COLLECT}.rewards=[{{name: length, params: {{max_len: 128, count: chars}}}}]"]
+
+
+@pytest.mark.slow
+def test_r1_distill_teacher_student_and_rl_arm(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    check(run_shrunk("r1-distill-teacher", tmp_path), ["pretrain", "sft", "grpo"])
+    student = run_shrunk("r1-distill", tmp_path, DISTILL_SHRUNK)
+    check(student, ["pretrain", "distill_collect", "distill_sft"])
+    assert (student / "journal" / "distill_collect.jsonl").is_file()
+    rl = run_shrunk("r1-distill-rl", tmp_path)
+    check(rl, ["sft", "grpo"])
+    # both arms start from the same pretrained student: the RL arm's base eval is the distillation run's pretrain eval
+    evals = {r: [json.loads(x) for x in (d / "evals.jsonl").read_text().splitlines()] for r, d in (("s", student), ("r", rl))}
+    strip = lambda rows, st: [(e["level"], e["metric"], e["value"]) for e in rows if e["stage"] == st]  # noqa: E731
+    assert strip(evals["r"], "base") == strip(evals["s"], "pretrain") != []

@@ -16,12 +16,12 @@ from posttrain.envs.episodes import Episode, EpisodeBatch, EpisodeEnd, EpisodeRu
 from posttrain.envs.registry import EnvironmentConfigError, EnvironmentFactory, EnvName, build_environment
 from posttrain.envs.tool_calls import CallError, ParsedTurn, ToolCall, format_call, parse_tool_calls
 from posttrain.envs.tool_env import ToolEnv, tools_system_prompt
-from posttrain.envs.tools import Calculator, CalculatorError, PythonTool, Tool, ToolResult, calculate, run_calls
+from posttrain.envs.tools import Calculator, CalculatorError, PythonSessionTool, PythonTool, Tool, ToolResult, calculate, run_calls
 
 __all__ = [
     "Budget", "CallError", "Calculator", "CalculatorError", "EnvFactory", "EnvName", "Environment",
     "EnvironmentConfigError", "EnvironmentFactory", "Episode", "EpisodeBatch", "EpisodeEnd", "EpisodeRun",
-    "ParsedTurn", "PythonTool", "StepResult", "Tool", "ToolCall", "ToolEnv", "ToolResult", "build_environment",
+    "ParsedTurn", "PythonSessionTool", "PythonTool", "StepResult", "Tool", "ToolCall", "ToolEnv", "ToolResult", "build_environment",
     "calculate", "format_call", "pad_episodes", "parse_tool_calls", "run_calls", "run_episodes",
     "tools_system_prompt",
 ]

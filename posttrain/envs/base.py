@@ -18,9 +18,9 @@ The episode's limits are the rollout's, not the environment's (`Budget`): the ep
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from posttrain.data.records import Message, Problem
 
@@ -34,6 +34,7 @@ class StepResult:
     done: bool = False           # the episode is over (no further turn is generated)
     tool_calls: int = 0          # tool calls in the turn that parsed and ran (whatever their result)
     tool_errors: int = 0         # malformed calls, unknown tools, tools that failed, timed out or were capped
+    hidden_probes: int = 0       # the turn's programs' attempts to read what they were not given (tests, frames, env)
 
 
 @runtime_checkable
@@ -45,6 +46,14 @@ class Environment(Protocol):
     def step(self, assistant_message: str) -> StepResult:
         """The model's turn (its text) → what the environment adds, a reward or None, and done."""
         ...
+
+
+def close_environment(env: Environment) -> None:
+    """End what one episode's environment holds (a Python session), if it holds anything: the episode
+    loop calls it when the episode ends, whatever ended it."""
+    close = getattr(env, "close", None)
+    if close is not None:
+        close()
 
 
 EnvFactory = Callable[[], Environment]  # a fresh environment per episode (environments hold state)
@@ -66,3 +75,30 @@ class Budget:
         for name in ("max_turns", "max_tokens", "turn_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Budget.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class EnvironmentConfigError(ValueError):
+    """An unknown environment, tool or parameter in a recipe: a configuration error."""
+
+
+class EnvironmentFactory:
+    """Makes one environment per episode; owns what they share (tools); `close()` releases it."""
+
+    def __init__(self, make: Callable[[], Environment], tools: Sequence[Any] = (),
+                 validate: Callable[[Sequence[Problem]], None] | None = None):
+        self._make, self.tools, self._validate = make, list(tools), validate
+
+    def __call__(self) -> Environment:
+        return self._make()
+
+    def validate(self, problems: Sequence[Problem]) -> None:
+        """Check the problems this environment will be played on before anything runs (a code
+        problem needs its visible and hidden tests): ValueError naming the problem and the field."""
+        if self._validate is not None:
+            self._validate(problems)
+
+    def close(self) -> None:
+        for tool in self.tools:
+            close = getattr(tool, "close", None)
+            if close is not None:
+                close()

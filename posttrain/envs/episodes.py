@@ -21,8 +21,12 @@ Who waits for whom (`tool_wait_s`):
   are not blocked, at the price of reproducibility: which rows share a call depends on timing.
 
 Departures from the designs of the frameworks that do this (veRL's agent loop, TRL, verifiers):
-1. No KV cache across turns: each turn's `generate` prefills the whole episode so far. The engine
-   protocol has no session API; a prefix cache would save that prefill (not built).
+1. The KV cache is kept across turns where the engine keeps rows on request (`keep_kv`, on by default;
+   the native engine, `rollout/prefix_cache.py`): each turn's `generate` keeps its rows under the
+   episode's key, the next turn's prompt extends the kept tokens, so only the turn's last token and the
+   environment's text are prefilled; an episode's entry is released when it ends. Elsewhere (HF
+   `generate`) each turn prefills the whole episode so far; vLLM finds the shared prefix itself
+   (automatic prefix caching). The cache never spans a weight update (the engine clears it).
 2. The environment's text is tokenized as the template's rendering difference (`transcript.py`), the
    model's never re-tokenized; the importance ratio therefore reads exactly the sampled tokens.
 3. A turn never runs past the episode's token budget: one `generate` call samples up to the longest
@@ -34,8 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from enum import Enum
@@ -45,9 +49,9 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.data.records import Message, Problem
-from posttrain.envs.base import Budget, EnvFactory, Environment, StepResult
+from posttrain.envs.base import Budget, EnvFactory, Environment, StepResult, close_environment
 from posttrain.envs.transcript import Transcript
-from posttrain.rollout import RolloutEngine, SamplingParams
+from posttrain.rollout import RolloutEngine, SamplingParams, prefix_cache_of
 from posttrain.rollout.text import positions_from_mask
 
 # `phase("generate")` / `phase("tool")` around each generate call and each wait on environments: a stage
@@ -77,6 +81,7 @@ class Episode:
     end: EpisodeEnd
     tool_calls: int = 0
     tool_errors: int = 0
+    hidden_probes: int = 0      # programs' attempts to read what they were not given (StepResult.hidden_probes), summed
     env_seconds: float = 0.0    # time inside the environment's `step` (tools included), summed
     finish: str = "stop"        # the last turn's finish: "stop" (the model ended it) or "length" (cut at a token budget)
 
@@ -102,6 +107,8 @@ class EpisodeRun:
     generate_calls: int
     generate_seconds: float  # wall time inside engine.generate
     wait_seconds: float      # wall time the loop spent waiting on environment steps and rendering their answers
+    prompt_tokens: int = 0   # prompt tokens over all generate calls (what a prefill of everything would run)
+    prefill_tokens_saved: int = 0  # of those, the tokens a kept KV cache covered (not prefilled again)
 
 
 @dataclass
@@ -119,6 +126,7 @@ class _Live:
     end: EpisodeEnd | None = None
     tool_calls: int = 0
     tool_errors: int = 0
+    hidden_probes: int = 0
     env_seconds: float = 0.0
     last_text: str = ""
     last_token: int | None = None
@@ -137,7 +145,7 @@ def _timed_step(env: Environment, text: str) -> tuple[StepResult, float]:
 
 def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, factory: EnvFactory,
                  problems: Sequence[Problem], *, budget: Budget = Budget(), params: SamplingParams = SamplingParams(),
-                 tool_wait_s: float | None = None, workers: int = 8,
+                 tool_wait_s: float | None = None, workers: int = 8, keep_kv: bool = True,
                  phase: PhaseHook = lambda name: nullcontext()) -> EpisodeRun:
     """One episode per problem (repeat a problem G times for a GRPO group). `params.n` must be 1;
     `params.max_new_tokens` is replaced by the budget's room each turn; with a seed, generate call k
@@ -145,7 +153,12 @@ def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, fact
 
     `phase` times the loop's two kinds of work (see `PhaseHook`): `generate`, and `tool` — the time the
     loop waits on environment steps (in lockstep, the tools' whole wall time; with `tool_wait_s`, only
-    what generation did not hide)."""
+    what generation did not hide).
+
+    `keep_kv`: keep each episode's KV cache across its turns where the engine can (`prefix_cache_of`;
+    departure 1), prefilling only the new tokens: in fp32 the same tokens and log-probs up to round-off
+    (in bf16, seeded samples may part where a draw meets a rounding shift: docs/rollout.md). A turn that
+    is the episode's last by the turn budget keeps nothing."""
     if params.n != 1:
         raise ValueError(f"run_episodes: params.n={params.n}; repeat the problem instead (one episode per row)")
     transcript = Transcript(tokenizer, engine.eos_ids)
@@ -161,23 +174,41 @@ def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, fact
 
     ready: list[int] = list(range(len(live)))
     pending: dict[Future, int] = {}
-    calls, gen_s, wait_s = 0, 0.0, 0.0
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="env-step") as pool:
+    calls, gen_s, wait_s, prompt_tokens = 0, 0.0, 0.0, 0
+    kv = prefix_cache_of(engine) if keep_kv else None
+    run_key = object()  # this run's prefix-cache keys are (run_key, episode index): no clash with another caller
+    saved0 = kv.stats.hit_tokens if kv is not None else 0
+
+    def absorb(done: set[Future]) -> list[int]:
+        finishing = [pending[f] for f in done]
+        again = _absorb(done, pending, live, transcript, budget)
+        if kv is not None:  # an episode over: its kept rows are garbage now
+            engine.release([(run_key, i) for i in set(finishing) - set(again)])
+        return again
+
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="env-step") as pool, \
+            _releasing(engine if kv is not None else None, [(run_key, i) for i in range(len(live))]):
         while ready or pending:
             if not ready:  # every live episode waits on its environment
                 t0 = time.perf_counter()
                 with phase("tool"):
                     done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    ready += _absorb(done, pending, live, transcript, budget)
+                    ready += absorb(done)
                 wait_s += time.perf_counter() - t0
                 continue
             rows, ready = sorted(ready), []
             rooms = [min(budget.turn_tokens, budget.max_tokens - len(live[r].ids)) for r in rows]
             call_params = dataclasses.replace(params, max_new_tokens=max(rooms),
                                               seed=None if params.seed is None else params.seed + calls)
+            prompts = [live[r].ids for r in rows]
+            prompt_tokens += sum(len(p) for p in prompts)
             t0 = time.perf_counter()
             with phase("generate") as handle:
-                ro = engine.generate([live[r].ids for r in rows], call_params)
+                if kv is None:
+                    ro = engine.generate(prompts, call_params)
+                else:  # keep the rows of episodes that may take another turn
+                    keep = [(run_key, r) if live[r].turns + 1 < budget.max_turns else None for r in rows]
+                    ro = engine.generate(prompts, call_params, keep=keep)
                 if hasattr(handle, "add"):
                     handle.add(engine.decode_cost(batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
                                                   new_tokens=max(1, ro.completion_ids.shape[1])))
@@ -200,14 +231,25 @@ def run_episodes(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, fact
             t0 = time.perf_counter()
             with phase("tool"):  # the environments' answers rendered to tokens are billed here too
                 done, _ = wait(pending, timeout=tool_wait_s)
-                ready += _absorb(done, pending, live, transcript, budget)
+                ready += absorb(done)
             wait_s += time.perf_counter() - t0
 
     episodes = [Episode(ep.index, ep.messages, torch.tensor(ep.ids, dtype=torch.long), torch.tensor(ep.mask),
                         torch.tensor(ep.lps, dtype=torch.float32), torch.tensor(ep.plps, dtype=torch.float32),
                         ep.prompt_len, ep.spans, ep.rewards, ep.end or EpisodeEnd.DONE, ep.tool_calls,
-                        ep.tool_errors, ep.env_seconds, ep.last_finish) for ep in live]
-    return EpisodeRun(episodes, calls, gen_s, wait_s)
+                        ep.tool_errors, ep.hidden_probes, ep.env_seconds, ep.last_finish) for ep in live]
+    saved = kv.stats.hit_tokens - saved0 if kv is not None else 0
+    return EpisodeRun(episodes, calls, gen_s, wait_s, prompt_tokens, saved)
+
+
+@contextmanager
+def _releasing(engine: RolloutEngine | None, keys: list) -> Iterator[None]:
+    """On the way out (an environment's exception included), release every key this run may have kept."""
+    try:
+        yield
+    finally:
+        if engine is not None:
+            engine.release(keys)
 
 
 def _absorb(done: set[Future], pending: dict[Future, int], live: list[_Live], transcript: Transcript,
@@ -222,6 +264,7 @@ def _absorb(done: set[Future], pending: dict[Future, int], live: list[_Live], tr
         ep.rewards.append(result.reward)
         ep.tool_calls += result.tool_calls
         ep.tool_errors += result.tool_errors
+        ep.hidden_probes += result.hidden_probes
         ep.messages.append(Message("assistant", ep.last_text))
         chat = list(ep.messages)
         ep.messages += result.new_messages
@@ -239,6 +282,8 @@ def _absorb(done: set[Future], pending: dict[Future, int], live: list[_Live], tr
                 ep.lps += [0.0] * len(env_ids)
                 ep.plps += [0.0] * len(env_ids)
                 again.append(ep.index)
+        if ep.end is not None:  # over, whatever ended it: the environment's own resources go now
+            close_environment(ep.env)
     return again
 
 

@@ -13,60 +13,58 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
 
-from posttrain.envs.base import Environment
+from posttrain.envs.base import EnvironmentConfigError, EnvironmentFactory
+from posttrain.envs.code_env import build_code_environment
 from posttrain.envs.tool_env import ToolEnv
-from posttrain.envs.tools import BUILTIN_TOOLS, MAX_RESULT_CHARS, Calculator, PythonTool, Tool
+from posttrain.envs.tools import (BUILTIN_TOOLS, DEFAULT_PYTHON_LIMITS, MAX_RESULT_CHARS, Calculator, PythonSessionTool,
+                                  PythonTool, Tool)
 from posttrain.sandbox import Limits
-
-
-class EnvironmentConfigError(ValueError):
-    """An unknown environment, tool or parameter in a recipe: a configuration error."""
+from posttrain.sandbox.session import SessionHost
 
 
 class EnvName(str, Enum):
     """Names a recipe can use for environments."""
 
     TOOLS = "tools"  # call tools (calculator, python in the sandbox) until a turn without a call answers
-
-
-class EnvironmentFactory:
-    """Makes one environment per episode; owns what they share (tools); `close()` releases it."""
-
-    def __init__(self, make: Callable[[], Environment], tools: Sequence[Tool] = ()):
-        self._make, self.tools = make, list(tools)
-
-    def __call__(self) -> Environment:
-        return self._make()
-
-    def close(self) -> None:
-        for tool in self.tools:
-            close = getattr(tool, "close", None)
-            if close is not None:
-                close()
+    CODE = "code"    # write a function, run it against visible tests, answer; hidden tests decide (envs/code_env.py)
 
 
 def _build_tools(*, tools: Sequence[str] = ("calculator",), max_calls: int = 4,
                  max_result_chars: int = MAX_RESULT_CHARS, python_limits: dict[str, Any] | None = None,
-                 sandbox: str = "bubblewrap", system_prompt: bool = True) -> EnvironmentFactory:
+                 sandbox: str = "bubblewrap", system_prompt: bool = True,
+                 python_session: bool = False) -> EnvironmentFactory:
     built: dict[str, Tool] = {}
+    host: SessionHost | None = None
     for name in tools:
         if name not in BUILTIN_TOOLS:
             raise EnvironmentConfigError(f"environment 'tools': unknown tool {name!r}; expected some of: "
                                          f"{', '.join(BUILTIN_TOOLS)}")
-        if name == "python":
-            built[name] = PythonTool(backend=sandbox, **({} if python_limits is None else
-                                                          {"limits": Limits(**python_limits)}))
+        limits = DEFAULT_PYTHON_LIMITS if python_limits is None else Limits(**python_limits)
+        if name == "python" and python_session:
+            host = SessionHost(sandbox, limits)  # the session itself is made per episode, below
+        elif name == "python":
+            built[name] = PythonTool(backend=sandbox, limits=limits)
         else:
             built[name] = Calculator()
-    if not built:
+    if not built and host is None:
         raise EnvironmentConfigError("environment 'tools': `tools` is empty; name at least one tool")
+    if python_session and host is None:
+        raise EnvironmentConfigError("environment 'tools': python_session is set but `tools` has no 'python'")
     if max_calls < 1 or max_result_chars < 1:
         raise EnvironmentConfigError("environment 'tools': max_calls and max_result_chars must be >= 1")
-    return EnvironmentFactory(lambda: ToolEnv(built, max_calls=max_calls, max_result_chars=max_result_chars,
-                                              system_prompt=system_prompt), list(built.values()))
+
+    def make() -> ToolEnv:
+        tools_now = dict(built)
+        if host is not None:
+            tools_now["python"] = PythonSessionTool(host)  # a fresh interpreter per episode
+        return ToolEnv(tools_now, max_calls=max_calls, max_result_chars=max_result_chars,
+                       system_prompt=system_prompt, episode_tools=("python",) if host is not None else ())
+
+    return EnvironmentFactory(make, [*built.values(), *([host] if host is not None else [])])
 
 
-_BUILDERS: dict[EnvName, Callable[..., EnvironmentFactory]] = {EnvName.TOOLS: _build_tools}
+_BUILDERS: dict[EnvName, Callable[..., EnvironmentFactory]] = {EnvName.TOOLS: _build_tools,
+                                                                 EnvName.CODE: build_code_environment}
 
 
 def build_environment(name: str, **params: Any) -> EnvironmentFactory:

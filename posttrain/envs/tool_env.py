@@ -10,7 +10,7 @@ The final answer is usually judged by the stage's verifiers on the episode's las
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from posttrain.data.records import Message, Problem, prompt_messages
 from posttrain.envs.base import StepResult
@@ -32,10 +32,12 @@ def tools_system_prompt(tools: dict[str, Tool]) -> str:
 
 class ToolEnv:
     def __init__(self, tools: dict[str, Tool], *, score: Score | None = None, max_calls: int = 4,
-                 max_result_chars: int = MAX_RESULT_CHARS, system_prompt: bool = True):
+                 max_result_chars: int = MAX_RESULT_CHARS, system_prompt: bool = True,
+                 episode_tools: Sequence[str] = ()):
         if not tools:
             raise ValueError("ToolEnv needs at least one tool")
         self.tools, self.score = tools, score
+        self.episode_tools = tuple(episode_tools)  # tools made for this episode alone: `close()` ends them
         self.max_calls, self.max_result_chars, self.system_prompt = max_calls, max_result_chars, system_prompt
         self.problem: Problem | None = None
 
@@ -54,4 +56,12 @@ class ToolEnv:
         results = run_calls(parsed, self.tools, max_chars=self.max_result_chars)
         ran = sum(isinstance(i, ToolCall) and i.name in self.tools for i in parsed.items)
         return StepResult([Message("tool", r.content) for r in results], None, done=False,
-                          tool_calls=ran, tool_errors=sum(r.error for r in results))
+                          tool_calls=ran, tool_errors=sum(r.error for r in results),
+                          hidden_probes=sum(r.probes for r in results))
+
+    def close(self) -> None:
+        """End this episode's own tools (a Python session); shared tools are the factory's to close."""
+        for name in self.episode_tools:
+            close = getattr(self.tools[name], "close", None)
+            if close is not None:
+                close()

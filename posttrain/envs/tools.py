@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 from posttrain.envs.tool_calls import CallError, ParsedTurn, ToolCall
 from posttrain.sandbox import Job, Limits, SandboxPool, open_sandbox
+from posttrain.sandbox.execution import probe_count
+from posttrain.sandbox.session import Session, SessionHost
 
 MAX_RESULT_CHARS = 2000  # what one tool result may put into the chat (tokens the model must attend to)
 
@@ -36,6 +38,7 @@ MAX_RESULT_CHARS = 2000  # what one tool result may put into the chat (tokens th
 class ToolResult:
     content: str
     error: bool = False  # the call failed: bad arguments, an exception, a timeout, a capped result
+    probes: int = 0      # the program's attempts to read what it was not given (the sandbox's audit hook)
 
 
 class Tool(Protocol):
@@ -52,7 +55,7 @@ def cap(result: ToolResult, max_chars: int = MAX_RESULT_CHARS) -> ToolResult:
     if len(result.content) <= max_chars:
         return result
     return ToolResult(result.content[:max_chars] + f"\n[truncated: {len(result.content)} characters, "
-                      f"limit {max_chars}]", error=True)
+                      f"limit {max_chars}]", error=True, probes=result.probes)
 
 
 # ---- calculator ----------------------------------------------------------------------------------
@@ -157,7 +160,7 @@ class PythonTool:
             if not isinstance(code, str) or set(args) != {"code"}:
                 out[i] = ToolResult('error: python takes exactly {"code": "<program>"}', error=True)
             else:
-                jobs.append(Job(code))
+                jobs.append(Job(code, audit=True))
                 where.append(i)
         if jobs:
             with self._lock:
@@ -168,6 +171,10 @@ class PythonTool:
         return [r for r in out if r is not None]
 
     def _result(self, ex: Any) -> ToolResult:
+        r = self._outcome(ex)
+        return ToolResult(r.content, r.error, probes=probe_count(ex.records))
+
+    def _outcome(self, ex: Any) -> ToolResult:
         stdout = ex.stdout.decode("utf-8", errors="replace")
         if not ex.started:
             return ToolResult(f"error: the sandbox failed to run the program ({ex.error or 'no start'})", error=True)
@@ -191,6 +198,36 @@ class PythonTool:
         if self._pool is not None and self._owned:
             self._pool.close()
             self._pool = None
+
+
+class PythonSessionTool:
+    """`python` with a session: one sandboxed interpreter per episode (`posttrain.sandbox.session`),
+    so variables and definitions persist across calls like a notebook's cells; a cell whose last
+    statement is an expression prints its value. A cell past the timeout (or the output cap) kills
+    the interpreter: the model is told the session was reset, and it counts as an error. One instance
+    per episode (the environment makes it); `close()` ends the interpreter."""
+
+    name = "python"
+    description = ('runs Python in a session kept for this episode (variables persist between calls) and '
+                   'returns what it prints: {"code": "x = 2 ** 10\nprint(x)"}')
+
+    def __init__(self, host: SessionHost):
+        self.session: Session = host.open()
+
+    def run(self, calls: Sequence[dict[str, Any]]) -> list[ToolResult]:
+        out = []
+        for args in calls:  # one after another: a cell may use what the one before defined
+            code = args.get("code")
+            if not isinstance(code, str) or set(args) != {"code"}:
+                out.append(ToolResult('error: python takes exactly {"code": "<program>"}', error=True))
+                continue
+            r = self.session.run(code)
+            text = r.stdout + (f"\nerror: {r.error}" if r.error else "")
+            out.append(ToolResult(text, error=r.error is not None, probes=r.probes))
+        return out
+
+    def close(self) -> None:
+        self.session.close()
 
 
 BUILTIN_TOOLS = {"calculator": Calculator, "python": PythonTool}

@@ -24,6 +24,8 @@ class TinySpec:
 
 
 PRESETS: dict[str, TinySpec] = {
+    # ≈ 0.49M: about half the demo's model — the student of the distillation experiment (docs/distillation.md).
+    "tiny-500k": TinySpec(hidden=96, layers=4, heads=4, kv_heads=4, intermediate=256, tie_embeddings=True),
     # ≈ 0.9M parameters at vocab 512: the demo's model (fast enough to pretrain on 2 CPU cores).
     "tiny-1m": TinySpec(hidden=128, layers=4, heads=4, kv_heads=4, intermediate=352, tie_embeddings=True),
     # ≈ 3M: a middle size for experiments.

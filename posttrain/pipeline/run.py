@@ -46,7 +46,7 @@ from posttrain.stages.reward_model import run_reward_model
 from posttrain.stages.dpo import run_dpo
 from posttrain.stages.ppo import run_ppo
 from posttrain.stages.grpo import run_grpo
-from posttrain.stages.rejection_sampling import produced_paths, run_rejection_sampling
+from posttrain.stages.rejection_sampling import check_teachers, produced_paths, run_rejection_sampling
 from posttrain.stages._constitution import produced_paths as constitution_outputs
 from posttrain.stages.constitutional_rl import run_constitutional_rl
 from posttrain.stages.constitutional_sl import run_constitutional_sl
@@ -118,6 +118,10 @@ def validate_inputs(recipe: Recipe, tokenizer, run_dir: Path, tasks: TaskSet | N
     stage is an error. Raises DataError naming the file, the line and the field (or the over-long
     record)."""
     produced = {**produced_paths(recipe, run_dir), **constitution_outputs(recipe, run_dir)}
+    try:
+        check_teachers(recipe)
+    except ValueError as e:
+        raise RunError(str(e)) from None
     for e in recipe.evals:
         if e.path is not None:
             read_jsonl(e.path, "problem")

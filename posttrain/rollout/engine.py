@@ -4,6 +4,12 @@ A stage sees an engine only through `RolloutEngine`: it samples (`generate`), pu
 (`update_weights`), pads with the engine's `pad_id`, stops at its `eos_ids`, and asks it what a
 generation cost (`decode_cost`, for the `generate` phase's roofline record). Nothing is reached
 through an engine's model: a vLLM engine has none in this process.
+
+Optional: a prefix cache across calls (`prefix_cache_of`). The native engine keeps the rows a caller
+names (`generate(..., keep=[key or None per row])`, `release(keys)`; `prefix_cache.py`) and starts a
+later prompt that extends a kept row from its keys and values. HF `generate` has none (every call
+prefills everything). vLLM has its own automatic prefix caching (`enable_prefix_caching`, on by default
+in `VLLMEngine`), which needs no request and is reset on every weight push.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from posttrain.rollout.hf import HFEngine
 from posttrain.rollout.native import NativeEngine
 from posttrain.rollout.output import Rollout
+from posttrain.rollout.prefix_cache import PrefixCache
 from posttrain.rollout.sampling import SamplingParams
 from posttrain.rollout.vllm_backend import VLLMEngine
 from posttrain.telemetry.costs import Cost
@@ -50,10 +57,23 @@ class RolloutEngine(Protocol):
         optimizer step inside their `sync` phase, so the move is timed apart from `generate`."""
         ...
 
+    def release_memory(self) -> int:
+        """Free what the engine holds between rollouts in this process (weight copies, decode forms) so
+        the update's memory peak does not hold them; the next `sync_weights` rebuilds them. Returns the
+        bytes freed (0: nothing to free). Stages call it after a rollout, before the update."""
+        ...
+
     def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> Cost:
         """FLOPs and bytes of generating `new_tokens` for `batch` sequences of `prompt_len` (left-padded)
         prompt tokens on this engine's model (`telemetry.costs.decode`)."""
         ...
+
+
+def prefix_cache_of(engine: RolloutEngine) -> PrefixCache | None:
+    """The engine's prefix cache where it keeps rows between calls on request (`generate(keep=)`,
+    `release`): the native engine with a nonzero `prefix_cache_bytes`; else None."""
+    cache = getattr(engine, "prefix_cache", None)
+    return cache if isinstance(cache, PrefixCache) and cache.max_bytes > 0 else None
 
 
 def backend_unavailable_reason(backend: str | Backend) -> str | None:

@@ -46,6 +46,10 @@ class HFEngine:
     def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
         """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`)."""
         return costs.decode(self.model.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+    def release_memory(self) -> int:
+        """Nothing to free: `generate` runs the training module itself and its cache dies with the call."""
+        return 0
+
     def sync_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> int:
         """`update_weights`; the bytes loaded (0 for the shared module: `generate` reads it directly)."""
         if isinstance(model_or_state_dict, dict):

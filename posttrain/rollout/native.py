@@ -20,6 +20,12 @@ Departures from `transformers` `generate` (numbered):
    `fused.py`); any other HF causal LM runs its own forward (`HFForward`) on the same cache.
 6. Outputs are written step-major, (steps, rows), so each step's tokens and log-probs are one
    contiguous row the sampler writes into; lengths come from the step each row stopped at.
+7. A bounded prefix cache (`prefix_cache.py`): `generate(..., keep=)` keeps rows' keys and values after
+   the call, and a later prompt that extends a kept sequence starts from them and prefills only its
+   new tokens. The prefill cache is then laid out as [kept prefixes, left-padded to the longest]
+   [new tokens, left-padded to the longest] — a hole of masked slots between a row's two parts; the
+   positions and the key mask say where each token is, so RoPE and attention see the same sequence
+   a full prefill would. Rows of one call may mix hits and misses (a miss is a row with no prefix).
 Device sync points: one per step (the live-row count decides whether to stop or compact; the EOS
 and stop-string checks read the sampled tokens). Stop strings cost one batched decode of a few tokens
 per live row per step, only when stop strings are given.
@@ -27,15 +33,18 @@ per live row per step, only when stop strings are given.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import ctypes
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
+from posttrain.models import lora
 from posttrain.rollout.cpu import FusedDecoder, fused_unsupported_reason
 from posttrain.rollout.kv_cache import KVCache
 from posttrain.rollout.output import Rollout, assemble
+from posttrain.rollout.prefix_cache import PrefixCache, PrefixEntry
 from posttrain.rollout.sampling import SamplingParams, sample, sample_into, shard_uniforms
 from posttrain.rollout.text import (
     StopStrings,
@@ -91,6 +100,15 @@ class HFForward:
         return lambda tokens, positions: self(tokens[:, None], positions[:, None], cache, key_mask)
 
 
+def _return_free_memory() -> None:
+    """glibc's `malloc_trim(0)`: hand the heap's free pages back to the OS. Freed tensors below glibc's
+    (dynamic) mmap threshold stay in the heap otherwise, and the process's resident set does not fall."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        pass
+
+
 class NativeEngine:
     """Batched sampling over an HF causal LM. Shares the module: weight updates are seen at once.
 
@@ -112,6 +130,10 @@ class NativeEngine:
     to fold are shared with the model), the decode form of each (a transposed copy for "mm", a packed
     one for "mkl"/"dnn"/"c"; "mv" uses the copy itself) and a KV cache in fp32, or in bf16 where the step
     computes in bf16 and the C attention reads it (`FusedDecoder.cache_dtype`, set by `prepare`).
+    prefix_cache_bytes: the most bytes of keys/values kept between calls for callers that ask
+        (`generate(keep=)`, departure 7; 0 = keep nothing). A kept row of C tokens costs
+        2·layers·kv_heads·head_dim·C·(4 or 2) bytes: tiny-30m (10 layers, 4 kv heads × 64), fp32, is
+        20,480 bytes a token, 6.1 MB for 300 tokens; the default cap holds 43 such rows.
     """
 
     name = "native"
@@ -119,7 +141,7 @@ class NativeEngine:
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None, *,
                  kernels: str = "auto", dtype: torch.dtype | None = None, compact_below: float = 0.875,
                  eos_token_ids: Sequence[int] | None = None, matmul: str = "auto", compute: torch.dtype | str = "auto",
-                 decode_ops: str = "auto"):
+                 decode_ops: str = "auto", prefix_cache_bytes: int = 256 * 2**20):
         if kernels not in ("auto", "fused", "hf"):
             raise ValueError(f"NativeEngine: kernels={kernels!r}; expected 'auto', 'fused' or 'hf'")
         if not 0.0 <= compact_below <= 1.0:
@@ -144,6 +166,7 @@ class NativeEngine:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._kv_bytes = 0
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
 
     def update_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> None:
         """Make the next `generate` sample from these weights. The engine shares the training module, so
@@ -157,6 +180,7 @@ class NativeEngine:
             self.model.load_state_dict(model_or_state_dict.state_dict())
         if isinstance(self.step, FusedDecoder):
             self.step.weights.invalidate()
+        self.prefix_cache.clear()  # kept keys/values were computed by the old weights
 
     def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
         """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`)."""
@@ -173,16 +197,27 @@ class NativeEngine:
         self.update_weights(model_or_state_dict)
         if isinstance(self.step, FusedDecoder):
             with torch.inference_mode():  # the copies were made inside generate's inference mode: rebuild them there
+                rebuilt = self.step.weights.rebuild()  # 0 when never built
                 if self.step.weights.layers:
-                    moved += self.step.weights.rebuild()
+                    moved += rebuilt
                 else:  # the first move: build the copies (the decode forms follow at the first generate)
                     self.step.prepare(1, next(self.model.parameters()).device)
                     moved += self.step.weights.moved_bytes
         return moved
 
+    def release_memory(self) -> int:
+        """Free the fused weight copies and decode forms before the update (`RolloutEngine.release_memory`);
+        the next `sync_weights` rebuilds them. Returns the bytes freed (0 on the HF-forward path)."""
+        freed = self.step.weights.release() if isinstance(self.step, FusedDecoder) else 0
+        freed += self.prefix_cache.bytes
+        self.prefix_cache.clear()  # kept rows are stale once the update changes the weights anyway
+        if freed:
+            _return_free_memory()
+        return freed
+
     def memory_bytes(self) -> dict[str, int]:
         """What this engine holds beside the model: fused weight copies and the last KV cache (bytes)."""
-        out = {"KV cache": self._kv_bytes}
+        out = {"KV cache": self._kv_bytes, "prefix cache": self.prefix_cache.bytes}
         if isinstance(self.step, FusedDecoder):
             out["fused weights"] = self.step.weights.resident_bytes()
         return out
@@ -193,29 +228,102 @@ class NativeEngine:
         return KVCache.allocate(layers=self.layers, rows=rows, kv_heads=self.kv_heads, capacity=capacity,
                                 head_dim=self.head_dim, dtype=self.step.cache_dtype, device=device)
 
-    def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams) -> Rollout:
+    def release(self, keys: Sequence[Hashable]) -> None:
+        """Drop the kept rows of `keys` (`generate(keep=)`); unknown keys are ignored."""
+        self.prefix_cache.release(keys)
+
+    def _weights_stamp(self) -> tuple:
+        # each parameter's storage and in-place version (an optimizer step moves it), which adapters act, and
+        # the cache dtype: what the kept keys/values were computed under (a fused AdamW step moves no version:
+        # `update_weights`, called after every step, clears the cache for that)
+        return (tuple((p.data_ptr(), p._version) for p in self.model.parameters()), lora.adapter_state(self.model),
+                self.step.cache_dtype)
+
+    def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams, *,
+                 keep: Sequence[Hashable | None] | None = None) -> Rollout:
+        """`keep`: one key or None per row (R = prompts × n): row j's keys/values (its prompt and all of its
+        completion but the last token, which was never fed) are kept under `keep[j]` for later calls whose
+        prompt extends them (departure 7); `release` them when done."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
         device = next(self.model.parameters()).device
         ids = encode_prompts(prompts, self.tokenizer)
+        if keep is not None and len(keep) != len(ids) * params.n:
+            raise ValueError(f"generate: keep has {len(keep)} keys; expected one per row "
+                             f"({len(ids)} prompts × n={params.n} = {len(ids) * params.n})")
         was_training = self.model.training
         self.model.eval()  # dropout off; restored below
         try:
             with torch.inference_mode():
-                raw = self._decode(ids, params, device)
+                raw = self._decode(ids, params, device, keep)
         finally:
             self.model.train(was_training)
         # Outside inference mode: the Rollout's tensors are ordinary tensors a training step may use.
         return assemble(**raw, pad_id=self.pad_id, tokenizer=self.tokenizer,
                         stops=StopStrings(params.stop, self.tokenizer))
 
-    def _decode(self, ids: list[list[int]], params: SamplingParams, device: torch.device) -> dict:
+    def _prefill(self, ids: list[list[int]], prompt_ids: Tensor, prompt_mask: Tensor, n: int, budget: int,
+                 keep: Sequence[Hashable | None] | None, device: torch.device) -> tuple[KVCache, Tensor, Tensor]:
+        """Prefill once per prompt, from a kept prefix where one extends it (departure 7). With n = 1 the
+        prefill cache is the decode cache (no copy). Returns the cache, the last prompt token's logits (B, V)
+        and the prompt's key mask (B, W): True on the slots holding a prompt token (W ≥ P: the hole)."""
+        batch, rows = len(ids), len(ids) * n
+        hits = [None] * batch
+        if self.prefix_cache.entries:
+            hits = [self.prefix_cache.lookup(p, None if keep is None else keep[i * n]) for i, p in enumerate(ids)]
+        if not any(hits):
+            width = prompt_ids.shape[1]
+            cache = self._cache(batch, width + budget if n == 1 else width, device)
+            logits = self.step(prompt_ids, positions_from_mask(prompt_mask), cache, prompt_mask, decode_rows=rows)
+            return cache, logits, prompt_mask
+        kept = [0 if h is None else len(h.ids) for h in hits]                   # C_i
+        head = max(kept)                                                       # P0: the kept prefixes, left-padded
+        new_ids, new_mask = left_pad([p[c:] for p, c in zip(ids, kept)], self.pad_id, device)  # (B, S)
+        width = head + new_ids.shape[1]
+        cache = self._cache(batch, width + budget if n == 1 else width, device)
+        head_mask = torch.zeros(batch, head, dtype=torch.bool, device=device)
+        for layer in range(self.layers):
+            for buf in (cache.keys[layer], cache.values[layer]):
+                buf[:, :, :head].zero_()                  # the hole: masked, but 0·garbage (a NaN) would leak
+        for i, h in enumerate(hits):
+            if h is not None:
+                c = kept[i]
+                head_mask[i, head - c:] = True
+                for layer in range(self.layers):                               # one copy of the kept row
+                    cache.keys[layer][i, :, head - c: head] = h.keys[layer]
+                    cache.values[layer][i, :, head - c: head] = h.values[layer]
+        cache.advance(head)
+        key_mask = torch.cat([head_mask, new_mask], 1)                         # (B, W)
+        positions = positions_from_mask(key_mask)[:, head:]                    # the new tokens' true positions
+        logits = self.step(new_ids, positions, cache, key_mask, decode_rows=rows)
+        return cache, logits, key_mask
+
+    def _keep(self, key: Hashable, cache: KVCache, row: int, prompt: list[int], key_mask: Tensor,
+              completion: list[int]) -> None:
+        """Copy one finished row's keys/values out of `cache` into the prefix cache: the prompt's slots
+        (`key_mask` (W,) True) and the first len(completion) decode slots (its tokens but the last)."""
+        width = key_mask.shape[0]
+        slots = torch.cat([key_mask.nonzero()[:, 0],
+                           torch.arange(width, width + len(completion), device=key_mask.device)])  # (C,)
+        c = slots.numel()
+        per = 2 * self.layers * self.kv_heads * c * self.head_dim * self.step.cache_dtype.itemsize
+        if not self.prefix_cache.fits(per):                                    # never copy what cannot be kept
+            self.prefix_cache.refuse(key)
+            return
+        keys = [k[row].index_select(1, slots) for k in cache.keys]            # (kv_heads, C, head_dim) each
+        values = [v[row].index_select(1, slots) for v in cache.values]
+        self.prefix_cache.store(key, PrefixEntry(tuple(prompt) + tuple(completion), keys, values))
+
+    def _decode(self, ids: list[list[int]], params: SamplingParams, device: torch.device,
+                keep: Sequence[Hashable | None] | None = None) -> dict:
         """The decode loop; returns the raw buffers `assemble` takes."""
         n, budget = params.n, params.max_new_tokens
         prompt_ids, prompt_mask = left_pad(ids, self.pad_id, device)          # (B, P)
-        batch, plen = prompt_ids.shape
-        if isinstance(self.step, FusedDecoder):
-            self.step.prepare(plen + budget, device)
+        batch = prompt_ids.shape[0]
+        if isinstance(self.step, FusedDecoder):  # positions reach P + budget whatever the layout
+            self.step.prepare(prompt_ids.shape[1] + budget, device)
+        if self.prefix_cache.entries or (keep is not None and any(k is not None for k in keep)):
+            self.prefix_cache.check(self._weights_stamp())                # stale entries go before any lookup
         rows = batch * n
         stops = StopStrings(params.stop, self.tokenizer)
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
@@ -224,9 +332,8 @@ class NativeEngine:
             gen = torch.Generator(device=device)
             gen.manual_seed(params.seed)
 
-        # Prefill once per prompt. With n = 1 the prefill cache is the decode cache (no copy).
-        cache = self._cache(batch, plen + budget if n == 1 else plen, device)
-        logits = self.step(prompt_ids, positions_from_mask(prompt_mask), cache, prompt_mask, decode_rows=rows)  # (B, V)
+        cache, logits, prompt_keys = self._prefill(ids, prompt_ids, prompt_mask, n, budget, keep, device)  # (B, V)
+        plen = prompt_keys.shape[1]                                            # W: the cache slots before token 0
         if n > 1:
             logits = logits.repeat_interleave(n, 0)                              # (R, V)
 
@@ -235,7 +342,7 @@ class NativeEngine:
         logprobs = torch.zeros((budget, rows), dtype=torch.float32, device=device)
         policy = torch.zeros((budget, rows), dtype=torch.float32, device=device)
         stop_step = torch.full((rows,), budget, dtype=torch.long, device=device)  # step a row stopped at
-        key_mask = torch.cat([prompt_mask.repeat_interleave(n, 0),
+        key_mask = torch.cat([prompt_keys.repeat_interleave(n, 0),
                               torch.ones(rows, budget, dtype=torch.bool, device=device)], 1)  # (R, P + N)
         next_pos = prompt_mask.sum(-1).repeat_interleave(n)                    # (R,) position of token 0
         active = torch.arange(rows, device=device)   # original row of each running row
@@ -251,6 +358,13 @@ class NativeEngine:
         # row r's keys and values at cache row cache_rows[r]: no copy of the cache.
         gathers = isinstance(self.step, FusedDecoder) and self.step.gathers_rows(device)
         cache_rows = None
+        kept = [] if keep is None else [j for j, k in enumerate(keep) if k is not None]  # rows to keep (departure 7)
+        selected = False                                                       # whether cache.select moved rows
+
+        def keep_rows(orig: list[int], cache_row: Callable[[int], int]) -> None:
+            for j in orig:  # the row's prompt and its tokens but the last (never fed, so not in the cache)
+                k = int(stop_step[j]) + 1 if int(stop_step[j]) < budget else budget
+                self._keep(keep[j], cache, cache_row(j), ids[j // n], prompt_keys[j // n], tokens[:k - 1, j].tolist())
 
         for t in range(budget):
             full = active.numel() == rows                                      # not compacted yet: plain rows
@@ -285,18 +399,32 @@ class NativeEngine:
             if t == 0 and n > 1:                                               # first decode step: share the prefill
                 cache, plan = cache.expand(n, plen + budget), None
             if n_live <= self.compact_below * live.numel() and n_live < live.numel():
-                keep = live.nonzero()[:, 0]                                    # compaction
+                alive = live.nonzero()[:, 0]                                    # compaction
                 if gathers:
-                    cache_rows = keep if cache_rows is None else cache_rows[keep]
+                    cache_rows = alive if cache_rows is None else cache_rows[alive]
                 else:
-                    cache.select(keep)                                         # one copy of the live rows
-                active, live, tok = active[keep], live[keep], tok[keep]
-                key_mask, next_pos, plan = key_mask[keep], next_pos[keep], None
+                    if kept:                                                   # finished rows leave the cache: keep them first
+                        leaving = set(active[~live].tolist())
+                        at = {j: r for r, j in enumerate(active.tolist())}
+                        keep_rows([j for j in kept if j in leaving], at.__getitem__)
+                        kept = [j for j in kept if j not in leaving]
+                    cache.select(alive)                                         # one copy of the live rows
+                    selected = True
+                active, live, tok = active[alive], live[alive], tok[alive]
+                key_mask, next_pos, plan = key_mask[alive], next_pos[alive], None
             if plan is None:
                 plan = self.step.plan(cache, key_mask) if cache_rows is None else \
                     self.step.plan(cache, key_mask, cache_rows)
             logits = plan(tok, next_pos + t)                                   # (r, V)
 
+        if kept:  # where each row's keys are now
+            if selected:                       # select moved the running rows to the front, in order
+                at = {j: r for r, j in enumerate(active.tolist())}
+            elif cache.rows == rows:           # in place: never compacted, or compacted through cache_rows
+                at = {j: j for j in kept}
+            else:                              # n > 1, all stopped at step 0: the per-prompt prefill cache
+                at = {j: j // n for j in kept}
+            keep_rows(kept, at.__getitem__)
         stopped = stop_step < budget
         lengths = torch.where(stopped, stop_step + 1, budget)                  # rows never stopped ran to the end
         return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "n": n, "tokens": tokens.T,

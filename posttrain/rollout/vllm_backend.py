@@ -93,6 +93,11 @@ class VLLMEngine:
     def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
         """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`)."""
         return costs.decode(self.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+    def release_memory(self) -> int:
+        """0: the engine's memory lives on the GPU in vLLM's own pool. Colocated on one GPU, vLLM's sleep
+        mode (`LLM.sleep`) is what would free it; not wired (docs/distributed.md)."""
+        return 0
+
     def sync_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> int:
         """`update_weights` (already eager); the bytes of the weights pushed."""
         sd = model_or_state_dict if isinstance(model_or_state_dict, dict) else model_or_state_dict.state_dict()

@@ -52,7 +52,7 @@ class DataSource(Strict):
     """Where a stage's examples come from: a task (`{task: arithmetic, n: 2000}`) or a JSONL file in our
     schemas (`{path: file.jsonl}`, docs/data.md). `world: arithmetic` is kept as an alias of `task`."""
 
-    task: str | None = Field(None, description="a built-in task that supplies the split (arithmetic, arithmetic-tools, code; docs/tasks.md)")
+    task: str | None = Field(None, description="a built-in task that supplies the split (arithmetic, arithmetic-tools, code, code-tools; docs/tasks.md)")
     path: Path | None = Field(None, description="a JSONL file in the documented schema of the stage")
     n: int | None = Field(None, gt=0, description="examples to draw from the task (required with `task`)")
     weight: float = Field(1.0, gt=0, description="share of this source in the mix")
@@ -123,6 +123,7 @@ class TrainStage(StageBase):
     save_every: int = Field(50, gt=0, description="steps between resumable checkpoints")
     keep_last: int = Field(2, gt=0, description="resumable checkpoints kept")
     log_every: int = Field(10, gt=0, description="steps between metrics.jsonl records")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the backward instead of keeping them: less memory for ~one more forward per step (docs/performance.md)")
 
     @model_validator(mode="after")
     def _accum_divides(self) -> TrainStage:
@@ -157,11 +158,12 @@ class RewardSpec(Strict):
 class EnvSpec(Strict):
     """A multi-turn environment for an RL stage: each sample is an episode in it (docs/envs.md)."""
 
-    name: Literal["tools", "task"] = Field(description="a posttrain.envs environment (tools: calculator / python in the sandbox), or `task`: the environment the stage's first data task with one supplies (arithmetic-tools)")
+    name: Literal["tools", "code", "task"] = Field(description="a posttrain.envs environment (tools: calculator / python in the sandbox; code: visible tests through run_tests, hidden tests decide — problems with `tests` and `visible_tests`), or `task`: the environment the stage's first data task with one supplies (arithmetic-tools, code-tools)")
     params: dict[str, Any] = Field(default_factory=dict, description="the environment's parameters, e.g. {tools: [calculator]} (with `task`: overrides of the task's defaults)")
     max_turns: int = Field(4, gt=0, description="assistant turns per episode at most")
     max_tokens: int = Field(256, gt=1, description="tokens per episode at most: first prompt, model turns and environment text")
     tool_wait_s: float | None = Field(None, gt=0, description="None: lockstep rounds (reproducible); seconds: rows whose environment step takes longer join a later generate call")
+    keep_kv: bool = Field(True, description="keep each episode's KV cache across its turns where the rollout engine can (native): a turn prefills only its new tokens (docs/envs.md)")
 
 
 class GRPOStage(TrainStage):
@@ -176,7 +178,7 @@ class GRPOStage(TrainStage):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass of the rollouts (1 = off)")
     max_new_tokens: int = Field(48, gt=0, description="completion budget per sample")
     max_prompt_len: int = Field(64, gt=0, description="longest prompt in tokens (longer ones are an error)")
-    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="math")], min_length=1, description="verifiers summed into the reward")
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="math")], description="verifiers summed into the reward (empty only with `env`: the environment's reward alone)")
     pass_threshold: float = Field(0.5, description="a sample passes when the first listed verifier scores at least this")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL-to-reference coefficient in the loss (0: no reference pass)")
     clip_low: float | None = Field(None, gt=0, lt=1, description="ratio floor 1 − clip_low (None: the loss's default)")
@@ -186,12 +188,16 @@ class GRPOStage(TrainStage):
     max_rounds: int = Field(4, gt=0, description="generation rounds per rollout batch at most when refilling")
     mask_truncated: bool = Field(False, description="leave samples cut by max_new_tokens out of the loss (DAPO overlong filtering)")
     backend: Literal["native", "hf", "vllm"] = Field("native", description="rollout engine (vllm: a CUDA GPU and the vllm extra; checked before the run starts)")
+    release_rollout_memory: bool = Field(True, description="free the rollout engine's weight copies and decode forms before each update (the sync after it rebuilds them, as it must anyway): the update's memory peak holds none of them (docs/performance.md)")
     share_prompt: bool = Field(True, description="update and reference forwards lay a group out as [prompt | c_1 | … | c_G], the prompt once (exact up to round-off; G·(P + N) → P + G·N tokens)")
     eval_problems: int = Field(100, gt=0, description="held-out problems per eval level for the in-stage greedy eval (eval_every)")
     env: EnvSpec | None = Field(None, description="multi-turn: each sample is an episode in this environment, max_new_tokens is per turn, the loss falls on the model's tokens only (docs/envs.md)")
 
     @model_validator(mode="after")
     def _grpo_shapes(self) -> GRPOStage:
+        if not self.rewards and self.env is None:
+            raise ValueError("rewards is empty: nothing would score the samples (an empty list is for `env`, "
+                             "whose environment gives the reward)")
         if self.env is not None and self.dynamic_sampling:
             raise ValueError("dynamic_sampling is not supported with env yet (episodes are one round per rollout)")
         if self.batch_size % self.group_size:
@@ -222,11 +228,15 @@ class RejectionSamplingStage(StageBase):
     pair_margin: float = Field(0.0, ge=0, description="a pair needs the chosen's summed reward above the rejected's by more than this")
     pairs_output: Path | None = Field(None, description="where to write the pairs, `preference` schema (default <run dir>/data/<name>.pairs.jsonl)")
     draw: int = Field(0, ge=0, description="which draw of a task's problems and of the sampling seeds: another draw, other prompts and samples (in a rounds block `draw: \"{round}\"` gives each round fresh prompts)")
+    gates: list[Literal["exact_dedup", "near_dedup", "decontaminate"]] = Field(default_factory=list, description="quality gates on the rows before they are written, in order (docs/gates.md); decontaminate: against the recipe's evals; each gate's counts join the stage's summary metrics")
+    teacher: str | None = Field(None, description="distillation: a stage of this run (its final checkpoint) or a model folder that generates the candidates instead of the current policy; it may differ in size and architecture, and brings its own tokenizer (prompts are encoded with it, candidates kept as text; docs/distillation.md). The stage's checkpoint stays the current policy (the student)")
 
     @model_validator(mode="after")
     def _scored(self) -> RejectionSamplingStage:
         if not self.rewards and self.reward_model is None:
             raise ValueError("rewards is empty and no reward_model is set: nothing would score the samples")
+        if self.teacher is not None and not self.teacher.strip():
+            raise ValueError("teacher: empty; name a stage of this run or a model folder (or leave it out)")
         return self
 
     @property
@@ -354,6 +364,7 @@ class PPOStage(TrainStage):
     """PPO-RLHF against a reward model under a KL penalty to the start policy (docs/preference.md)."""
 
     stage: Literal["ppo"] = "ppo"
+    release_rollout_memory: bool = Field(True, description="free the rollout engine's weight copies and decode forms before each update (the sync after it rebuilds them, as it must anyway): the update's memory peak holds none of them (docs/performance.md)")
     reward_model: str = Field("reward_model", description="the reward_model stage's folder in this run, or a path to a reward-model checkpoint")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-5, warmup_steps=5, min_lr_ratio=1.0), description="the policy's AdamW (the schedule counts iterations); larger lr games the reward model sooner")
     data: list[DataSource] = Field(min_length=1, description="prompts (a task's problems, or JSONL in the `problem` schema)")
@@ -393,7 +404,7 @@ class EvalSpec(Strict):
     `{task: humaneval, k: [1, 10]}`) or a `problem` JSONL file judged by a verifier
     (`{path: my_eval.jsonl, verifier: math}`). docs/tasks.md lists what each task reports."""
 
-    task: str | None = Field(None, description="a built-in task: arithmetic, arithmetic-tools, code, humaneval")
+    task: str | None = Field(None, description="a built-in task: arithmetic, arithmetic-tools, code, code-tools, humaneval")
     path: Path | None = Field(None, description="a JSONL file in the `problem` schema (the `jsonl` task)")
     verifier: str | None = Field(None, description="the posttrain.rewards verifier that judges a reply to `path` (math, code, …)")
     params: dict[str, Any] = Field(default_factory=dict, description="that verifier's parameters")

@@ -94,14 +94,16 @@ class RunContext:
         """A checkpoint of this run on its device, with the recipe's attention kernels."""
         return load_model(path, device=self.device, attention=self.recipe.model.attention, autocast_dtype=self.amp_dtype)
 
-    def rollout_engine(self, model: torch.nn.Module, backend: str = "native") -> RolloutEngine:
-        """The stage's sampler for `model`. In a bf16 run the native engine samples from bf16 copies of
+    def rollout_engine(self, model: torch.nn.Module, backend: str = "native",
+                       tokenizer: PreTrainedTokenizerBase | None = None) -> RolloutEngine:
+        """The stage's sampler for `model` (with `tokenizer`, default the run's: a distillation teacher
+        brings its own). In a bf16 run the native engine samples from bf16 copies of
         the fp32 master weights (refreshed after every update; attention and the KV cache stay fp32)
         where its fused kernels support the architecture, as the update's autocast computes in bf16."""
         options = {}
         if backend == "native" and self.amp_dtype is not None and fused_unsupported_reason(model) is None:
             options["dtype"] = self.amp_dtype
-        return make_engine(backend, model, self.tokenizer, **options)
+        return make_engine(backend, model, tokenizer or self.tokenizer, **options)
 
     @contextmanager
     def phase(self, name: str, *, stage: str, step: int, cost: Cost | None = None) -> Iterator[Any]:

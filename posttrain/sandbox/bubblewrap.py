@@ -192,6 +192,22 @@ class BubblewrapSandbox:
             raise SandboxUnavailable(f"the sandbox self-test failed: {ex.error or ex}")
 
     def run(self, job: Job, limits: Limits) -> Execution:
+        running = self.start(job, limits)
+        if isinstance(running, Execution):
+            return running
+        try:
+            with running.proc:
+                ex = collect(running.proc, running.result_r, limits, running.start, running.kill,
+                             extra_fds=running.extra_fds)
+            running.finish(ex)
+            return ex
+        finally:
+            running.close()
+
+    def start(self, job: Job, limits: Limits, *, stdin_pipe: bool = False) -> Running | Execution:
+        """Launch `job` and hand back the running sandbox (the caller reads it and `close()`s it), or
+        an Execution with the set-up error. `stdin_pipe`: the parent holds a pipe to the harness's
+        stdin (a session's cells) instead of /dev/null."""
         memfds: list[int] = []
         pipes: list[int] = []
         cgroup: Path | None = None
@@ -223,31 +239,19 @@ class BubblewrapSandbox:
                         str(cgroup / "cgroup.procs")] + argv
             start = time.monotonic()
             try:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, pass_fds=(*memfds, result_w, info_w),
-                                        start_new_session=True, env={})
+                proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        pass_fds=(*memfds, result_w, info_w), start_new_session=True, env={})
             except OSError as e:
+                if cgroup is not None:
+                    _remove_cgroup(cgroup)
                 return Execution(error=f"could not start bubblewrap: {e}")
             for fd in (result_w, info_w, *memfds):
                 os.close(fd)
-            pipes = [result_r, info_r]
             memfds = []
-            init = _SandboxInit(proc)
-            try:
-                with proc:
-                    ex = collect(proc, result_r, limits, start, lambda: init.kill(cgroup),
-                                 extra_fds={info_r: init.feed})
-                # bwrap has reaped PID 1 (so the namespace is empty) unless it died first: check.
-                if not init.wait_gone(0.0):
-                    init.kill(cgroup)
-                if init.stuck or not init.wait_gone(0.0):
-                    ex.error = f"the sandbox's PID 1 survived SIGKILL for {REAP_LIMIT_S:.0f} s"
-            finally:
-                init.close()
-            if not ex.started and ex.error is None:
-                ex.error = (f"the sandbox did not start (exit {ex.exit_code}): "
-                            f"{ex.stderr.decode(errors='replace').strip()[:2000]}")
-            return ex
+            running = Running(proc, result_r, start, _SandboxInit(proc), info_r, cgroup)
+            pipes, cgroup = [], None  # the handle owns them now
+            return running
         except OSError as e:
             return Execution(error=f"sandbox set-up failed: {e}")
         finally:
@@ -255,6 +259,41 @@ class BubblewrapSandbox:
                 os.close(fd)
             if cgroup is not None:
                 _remove_cgroup(cgroup)
+
+
+class Running:
+    """A launched bubblewrap sandbox: its process, the parent's read end of the result channel, and
+    how to end it (`kill`: the whole PID namespace) and release it (`close`: fds, pidfd, cgroup)."""
+
+    def __init__(self, proc: subprocess.Popen, result_r: int, start: float, init: _SandboxInit,
+                 info_r: int, cgroup: Path | None):
+        self.proc, self.result_r, self.start, self.init = proc, result_r, start, init
+        self.info_r, self.cgroup = info_r, cgroup
+        self.extra_fds = {info_r: init.feed}
+
+    def kill(self) -> None:
+        self.init.kill(self.cgroup)
+
+    def finish(self, ex: Execution) -> None:
+        """After `collect`: bwrap has reaped PID 1 (so the namespace is empty) unless it died first."""
+        if not self.init.wait_gone(0.0):
+            self.init.kill(self.cgroup)
+        if self.init.stuck or not self.init.wait_gone(0.0):
+            ex.error = f"the sandbox's PID 1 survived SIGKILL for {REAP_LIMIT_S:.0f} s"
+        if not ex.started and ex.error is None:
+            ex.error = (f"the sandbox did not start (exit {ex.exit_code}): "
+                        f"{ex.stderr.decode(errors='replace').strip()[:2000]}")
+
+    def close(self) -> None:
+        self.init.close()
+        for fd in (self.result_r, self.info_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if self.cgroup is not None:
+            _remove_cgroup(self.cgroup)
+            self.cgroup = None
 
 
 class _SandboxInit:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HARNESS_SOURCE = (Path(__file__).parent / "_harness.py").read_bytes()
+SESSION_CPU_CALLS = 8  # a session's RLIMIT_CPU: 8 single calls' worth of CPU over all its cells
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,13 @@ class Job:
     calls: tuple[str, ...] | None = None
     stdin: str = ""
     setup: str = ""  # problem-provided code run before the candidate (MBPP's test_setup_code)
+    audit: bool = False  # count the program's probes for what it was not given (`probe_count`; _harness.Audit)
+    session: bool = False  # a persistent interpreter reading cells over a pipe (sandbox/session.py); `code` unused
 
     @property
     def kind(self) -> str:
+        if self.session:
+            return "session"
         return "stdio" if self.calls is None else "calls"
 
 
@@ -92,9 +97,21 @@ class Execution:
 
 def job_spec(job: Job, limits: Limits, stdin_path: str | None) -> bytes:
     """The spec the harness reads. Carries the program and the calls, never the expected values."""
+    rlimits = limits.rlimits()
+    if job.session:  # the CPU limit is per process: a session's cells share SESSION_CPU_CALLS calls' worth
+        rlimits["RLIMIT_CPU"] = limits.cpu_s * SESSION_CPU_CALLS
     spec = {"kind": job.kind, "code": job.code, "calls": list(job.calls or ()), "setup": job.setup,
-            "stdin": stdin_path, "rlimits": limits.rlimits()}
+            "stdin": stdin_path, "rlimits": rlimits, "audit": job.audit}
     return marshal.dumps(spec)  # the harness reads it without importing json
+
+
+def probe_count(records: list[dict]) -> int:
+    """Probes the harness's audit hook counted: its final `probes` total, or — when the program was
+    killed (or ended the harness) before the total was written — the probe records written as they
+    happened. Never less than the records seen."""
+    seen = sum(1 for r in records if "probe" in r)
+    totals = [r["probes"] for r in records if type(r.get("probes")) is int]
+    return max([seen, *totals])
 
 
 def collect(proc: subprocess.Popen, result_fd: int, limits: Limits, start: float,

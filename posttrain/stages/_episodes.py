@@ -8,6 +8,7 @@ completions); the loss and the KL fall only on the model's tokens (`Episode.mode
 
 Departures from single-turn collection (numbered):
 1. One round per rollout: no dynamic sampling yet (the config refuses the combination).
+   With `rewards: []` the environment's reward alone is the reward (and decides `reward/pass_rate`).
 2. An episode that ended at a budget (turns or tokens) is "truncated": `mask_truncated` leaves it out
    of the loss, as it does a completion cut at `max_new_tokens`.
 """
@@ -63,22 +64,30 @@ def collect_episode_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngin
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=ctx.recipe.seed * 1_000_003 + step * 101)
     budget = Budget(max_turns=cfg.env.max_turns, max_tokens=cfg.env.max_tokens, turn_tokens=cfg.max_new_tokens)
     run = run_episodes(engine, ctx.tokenizer, factory, batch_problems, budget=budget, params=params,
-                       tool_wait_s=cfg.env.tool_wait_s, phase=lambda name: ctx.phase(name, stage=cfg.folder, step=step))
+                       tool_wait_s=cfg.env.tool_wait_s, keep_kv=cfg.env.keep_kv, phase=lambda name: ctx.phase(name, stage=cfg.folder, step=step))
     eps = run.episodes
     with ctx.phase("score", stage=cfg.folder, step=step):
         model_tokens = [int(e.model_mask.sum()) for e in eps]
-        rewards = score_texts(verifiers, [e.final_text for e in eps], batch_problems, model_tokens)
-        total = [None if t is None else t + (e.reward or 0.0) for t, e in zip(rewards.total, eps)]
+        if verifiers:
+            rewards = score_texts(verifiers, [e.final_text for e in eps], batch_problems, model_tokens)
+            total = [None if t is None else t + (e.reward or 0.0) for t, e in zip(rewards.total, eps)]
+        else:  # `rewards: []`: the environment's reward alone (the code-tools task's hidden tests); none = unjudged
+            rewards, total = None, [e.reward for e in eps]
         judged, varied, missing = group_keep(total, g)
         adv = advantages_fn(torch.tensor([0.0 if t is None else t for t in total]), group_size=g).reshape(-1, g)  # (P, G)
     groups = judged.nonzero()[:, 0].tolist()
     kept = [eps[gi * g + j] for gi in groups for j in range(g)]
-    m = {**rewards.metrics(), **episode_metrics(eps, total)}
-    m.update({"reward/pass_rate": sum(passed(rewards, verifiers[0].name, cfg.pass_threshold)) / len(eps),
+    m = {**(rewards.metrics() if rewards is not None else {}), **episode_metrics(eps, total)}
+    passes = (passed(rewards, verifiers[0].name, cfg.pass_threshold) if rewards is not None else
+              [t is not None and t >= cfg.pass_threshold for t in total])
+    m.update({"reward/pass_rate": sum(passes) / len(eps),
               "response/length_mean": sum(model_tokens) / len(eps), "response/length_max": float(max(model_tokens)),
               "response/clipped_ratio": sum(e.end is not EpisodeEnd.DONE for e in eps) / len(eps),
               "groups/zero_variance_frac": float((judged & ~varied).sum()) / want,
-              "groups/unjudged": float(missing.sum()), "episode/generate_calls": float(run.generate_calls)})
+              "groups/unjudged": float(missing.sum()), "episode/generate_calls": float(run.generate_calls),
+              # prompt tokens of all turns' generate calls, and those a kept KV cache spared the prefill
+              "episode/prompt_tokens": float(run.prompt_tokens),
+              "episode/prefill_tokens_saved": float(run.prefill_tokens_saved)})
     adv_kept = adv[groups].reshape(-1) if groups else torch.zeros(0)
     return EpisodeGroups(kept, adv_kept, m)
 
@@ -90,6 +99,8 @@ def episode_metrics(eps: list[Episode], total: list[float | None]) -> dict[str, 
     m = {"episode/turns_mean": sum(e.turns for e in eps) / n,
          "episode/tool_calls_mean": sum(e.tool_calls for e in eps) / n,
          "episode/tool_errors": float(sum(e.tool_errors for e in eps)),
+         "tool/hidden_probe": float(sum(e.hidden_probes for e in eps)),        # sum over the batch
+         "tool/hidden_probe_frac": sum(e.hidden_probes > 0 for e in eps) / n,  # episodes with ≥ 1
          "episode/tool_use_frac": sum(used) / n,
          "episode/tokens_mean": sum(len(e.token_ids) for e in eps) / n,
          "episode/end_turn_budget_frac": sum(e.end is EpisodeEnd.TURN_BUDGET for e in eps) / n,

@@ -168,6 +168,11 @@ def start_or_resume(ctx: RunContext, cfg: TrainStage,
                  lora.wrap(base, r=spec.r, alpha=spec.alpha, dropout=spec.dropout, target_modules=spec.target_modules,
                            heads=heads, base=ctx.start))
     model.train()
+    if cfg.activation_checkpointing:  # per decoder layer, non-reentrant (works with frozen inputs, LoRA, custom attention)
+        if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.x on
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ctx.console.print(describe_trainable(cfg.folder, model))
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = warmup_cosine(optimizer, cfg.optim, cfg.steps)

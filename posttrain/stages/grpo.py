@@ -47,6 +47,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,7 @@ from posttrain.stages._rlvr import (
     passed,
     score_rollout,
 )
+from posttrain.models.prefix_attention import shared_prefix
 from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
 from posttrain.stages._training import Trainer, next_step, optimizer_step, reference_policy, save, start_or_resume
 from posttrain.telemetry import costs, memory
@@ -319,7 +321,10 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
         tok_loss, kl, stats = grpo_token_loss(logps, mb.old_logprobs, ref, mb.advantages, mb.mask,
                                               clip_low=clip[0], clip_high=clip[1], kl_coef=cfg.kl_coef)
         loss = aggregate(tok_loss, mb.mask, norm)
-        loss.backward()
+        # activation checkpointing recomputes each layer's forward inside backward: it must run through the same
+        # attention kernel the forward ran (the shared-prefix one), so the switch spans the backward too
+        with shared_prefix(t.model) if cfg.share_prompt and cfg.activation_checkpointing else nullcontext():
+            loss.backward()
         share = float(mb.mask.sum()) / tokens  # stats are token means of the micro-batch: weight by tokens
         with torch.no_grad():
             ent = entropy_from_logits(logits.detach())
@@ -385,6 +390,12 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
     clip = (cfg.clip_low or variant.clip_low, cfg.clip_high or variant.clip_high)
     problems = load_problems(ctx, cfg.data, levels=cfg.levels)
     env = build_env(ctx, cfg.env, cfg.data) if cfg.env is not None else None  # episodes: the environment renders the prompts
+    if env is not None:
+        try:
+            env.validate(problems)  # e.g. a code problem without its visible or hidden tests: stop before any step
+        except ValueError:
+            env.close()
+            raise
     prompts = encode_problems(problems, tok, cfg.max_prompt_len) if env is None else []
     verifiers = build_rewards(cfg.rewards)
     t = start_or_resume(ctx, cfg, data_parallel=True)
@@ -416,6 +427,8 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                 t0 = time.perf_counter()
                 b, got = collect(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler, step, env)
                 metrics = dict(got)
+                if cfg.release_rollout_memory:  # the engine's weight copies leave the update's memory peak; sync rebuilds them
+                    engine.release_memory()
                 rows = ctx.ranks.sum({"rows": 0 if b is None else len(b)})["rows"]  # every rank's usable rows
                 if b is None and rows > 0:  # data-parallel: other ranks have rows, this one joins with none
                     b = GroupBatch.empty()

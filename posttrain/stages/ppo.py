@@ -203,6 +203,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                 advantages = masked_whiten(advantages, mask)
             update_cost = (costs.train_step(t.model.config, batch=len(r), seq_len=fwd_len)
                            + costs.train_step(critic.config, batch=len(r), seq_len=fwd_len, logits="scalar")) * cfg.ppo_epochs
+            if cfg.release_rollout_memory:  # the engine's weight copies leave the update's memory peak; sync rebuilds them
+                engine.release_memory()
             with ctx.phase("update", stage=cfg.folder, step=step, cost=update_cost):
                 gen = torch.Generator().manual_seed(seed * 7919 + step)
                 stats: list[dict[str, float]] = []

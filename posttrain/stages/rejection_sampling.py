@@ -24,15 +24,27 @@ Departures (numbered):
 3. `keep: best` keeps the highest summed reward at or above `min_reward`; ties go to the shorter
    completion (then the first sampled). Prompts with no sample at or above `min_reward` contribute
    nothing and are counted (`rs/prompts_without_keep`).
-4. No step checkpoints: a killed stage re-runs from the start (every sample is seeded by the recipe
-   seed and the batch index, so the re-run writes the same file). The dataset is written atomically,
-   before `final/` is published, so a `final/` always has its dataset.
+4. No step checkpoints; a journal instead (`_collect_journal.py`): each judged generation batch is
+   appended to `<run dir>/journal/<name>.jsonl` before the next starts, and a killed stage resumes
+   after its last complete batch — those batches are replayed from the journal, neither generated nor
+   judged again (`rs/batches_replayed`, `rs/batches_judged`). Every sample is seeded by the recipe
+   seed and the batch index, so the resumed stage writes byte-identical data files. The dataset is
+   written atomically, before `final/` is published, so a `final/` always has its dataset.
 5. The `final/` checkpoint is a copy of the start weights (the pipeline resumes by looking for it);
    for a large model that copy costs disk, not correctness.
 6. A pair's chosen is the prompt's best sample when it reaches `min_reward`; its rejected is the
    lowest-scoring sample that ended its turn (ties: the longer, then the first), and the pair is
    written only if the two differ by more than `pair_margin`. A truncated or empty sample is never
    part of a pair (its score judges no finished reply).
+7. Distillation (DeepSeek-R1 §2.4: SFT a smaller model on a stronger one's verified traces): with
+   `teacher`, the teacher model generates the candidates, with its own tokenizer; the candidates
+   are judged and kept as text, so the student's SFT re-tokenizes them with the run's tokenizer
+   (teacher and student may differ in size, architecture and vocabulary). A `reward_model` scores
+   token ids, so with a teacher it needs the teacher's tokenizer to be the run's (checked).
+   `final/` holds the current policy (the student), not the teacher.
+8. With `gates`, the rows to be written pass through the quality gates (exact / near dedup,
+   decontamination against the recipe's evals; `_collect_gates.py`), their counts logged as
+   `gate/…` metrics with the stage's summary row — per round inside a rounds block.
 """
 
 from __future__ import annotations
@@ -44,11 +56,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from posttrain.data import Problem, prompt_messages, read_jsonl
+from posttrain.models import load_tokenizer
+from posttrain.runtime.checkpoint import final_checkpoint
 from posttrain.runtime.checkpoint import save_checkpoint
 from posttrain.runtime.config import Recipe, RejectionSamplingStage
 from posttrain.runtime.context import RunContext, StageResult
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import Rollout, SamplingParams
+from posttrain.stages._collect_gates import gate_metrics, gate_rows, recipe_eval_index
+from posttrain.stages._collect_journal import Journal, JudgedBatch, fingerprint, journal_path, read_journal
 from posttrain.stages._learned_reward import (
     RewardModelScorer,
     resolve_policy,
@@ -88,6 +104,39 @@ def produced_paths(recipe: Recipe, run_dir: Path) -> dict[Path, int]:
             if s.pairs:
                 out[pairs_path(s, run_dir).resolve()] = i
     return out
+
+
+def check_teachers(recipe: Recipe) -> None:
+    """Every rejection-sampling `teacher` names an earlier stage of the recipe or a folder holding a
+    model (config.json) and its tokenizer — checked before anything is written. Raises ValueError
+    naming `stages[i].teacher`."""
+    folders = [s.folder for s in recipe.stages]
+    for i, s in enumerate(recipe.stages):
+        if not isinstance(s, RejectionSamplingStage) or s.teacher is None:
+            continue
+        if s.teacher in folders:
+            j = folders.index(s.teacher)
+            if j >= i:
+                raise ValueError(f"stages[{i}].teacher: {s.teacher!r} is stages[{j}], which "
+                                 f"{'is this stage' if j == i else 'runs later'}; a teacher must be trained first")
+            continue
+        folder = Path(s.teacher)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"stages[{i}].teacher: {s.teacher!r} is neither a stage of this run (stages: {folders}) "
+                             f"nor a model folder with a config.json")
+        if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ValueError(f"stages[{i}].teacher: {s.teacher!r} holds a model but no tokenizer (tokenizer.json); "
+                             f"the teacher generates with its own tokenizer")
+
+
+def resolve_teacher(ctx: RunContext, name: str, stage: str) -> Path:
+    """The teacher `name`: a finished stage of this run (its final/), or a model folder."""
+    in_run = final_checkpoint(ctx.stage_dir(name))
+    path = in_run or Path(name)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{stage}: teacher {name!r} is neither a finished stage of this run "
+                         f"({ctx.stage_dir(name)}/final) nor a model folder with a config.json")
+    return path
 
 
 def select(problem: Problem, texts: list[str], rewards: list[float | None], finish: list[str], *,
@@ -199,24 +248,57 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
-    stage, tok = cfg.folder, ctx.tokenizer
+    stage = cfg.folder
+    policy = resolve_policy(ctx)  # after a reward_model stage, the policy it was built for
+    teacher = resolve_teacher(ctx, cfg.teacher, stage) if cfg.teacher is not None else None
+    gen_path = teacher or policy  # whose samples are judged
+    tok = load_tokenizer(teacher) if teacher is not None else ctx.tokenizer  # the generator's own tokenizer
     problems = load_problems(ctx, cfg.data, levels=cfg.levels, seed_offset=SEED_OFFSET + DRAW_STRIDE * cfg.draw)
     prompts = encode_problems(problems, tok, cfg.max_prompt_len)
     scorer = (RewardModelScorer(resolve_reward_model(ctx, cfg.reward_model, stage), ctx.device)
               if cfg.reward_model is not None else None)
-    verifiers = build_rewards(cfg.rewards)
-    model = ctx.load_model(resolve_policy(ctx))  # after a reward_model stage, the policy it was built for
-    engine = ctx.rollout_engine(model)
-    with ctx.phase("sync", stage=stage, step=1) as ph:  # the sampling policy's weights into the engine, once
-        ph.cost = costs.Cost(bytes=engine.sync_weights(model))
+    if scorer is not None and teacher is not None and tok.get_vocab() != ctx.tokenizer.get_vocab():
+        raise ValueError(f"{stage}: teacher {cfg.teacher!r} has another tokenizer than the run's, and reward_model "
+                         f"{cfg.reward_model!r} scores the run's token ids; use verifiers (`rewards`) alone with this teacher")
     out_path = output_path(cfg, ctx.run_dir)
+    pairs_out = pairs_path(cfg, ctx.run_dir) if cfg.pairs else None
+    n_steps = -(-len(problems) // cfg.batch_prompts)
+    # Batches already judged by a killed run of this stage: replayed below, neither generated nor judged again.
+    jpath = journal_path(ctx.run_dir, stage)
+    fp = fingerprint(cfg.model_dump_json(), prompts)  # the config names the teacher; the policy is the run's
+    journaled, note = read_journal(jpath, fp)
+    journaled = journaled[:n_steps]
+    if note:
+        ctx.console.print(f"[yellow]{stage}: {note}" + (f"; resuming after batch {len(journaled)} of {n_steps}" if journaled else ""))
+    verifiers = build_rewards(cfg.rewards)
+    model = engine = None
+    if len(journaled) < n_steps:  # something left to generate
+        model = ctx.load_model(gen_path)
+        engine = ctx.rollout_engine(model, tokenizer=tok)
+        with ctx.phase("sync", stage=stage, step=len(journaled) + 1) as ph:  # the sampler's weights into the engine, once
+            ph.cost = costs.Cost(bytes=engine.sync_weights(model))
     scored_by = [f"{r.name}×{r.weight:g}" for r in cfg.rewards]
     if scorer is not None:
         scored_by.append(f"reward model {scorer.path}×{cfg.reward_model_weight:g}")
-    pairs_out = pairs_path(cfg, ctx.run_dir) if cfg.pairs else None
-    ctx.console.print(f"{stage}: {len(problems):,} prompts × N={cfg.samples} samples at T={cfg.temperature}; keep "
+    ctx.console.print(f"{stage}: {len(problems):,} prompts × N={cfg.samples} samples at T={cfg.temperature}"
+                      + (f" from teacher {gen_path}" if teacher is not None else "") + f"; keep "
                       f"{cfg.keep} with summed reward ≥ {cfg.min_reward} ({', '.join(scored_by)}) → {out_path}"
                       + (f"; best-vs-worst pairs (margin > {cfg.pair_margin}) → {pairs_out}" if pairs_out else ""))
+
+    def judge(step: int, idx: list[int]) -> JudgedBatch:
+        """Generate and judge one batch of prompts: what a resume never does twice."""
+        params = SamplingParams(n=cfg.samples, temperature=cfg.temperature, top_p=cfg.top_p,
+                                max_new_tokens=cfg.max_new_tokens,
+                                seed=ctx.recipe.seed * 1_000_003 + 10_007 * cfg.draw + step)
+        with ctx.phase("generate", stage=stage, step=step) as p:
+            ro: Rollout = engine.generate([prompts[i] for i in idx], params)
+            p.cost = costs.decode(model.config, batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
+                                  new_tokens=max(1, ro.completion_ids.shape[1]))
+        rm_cost = None if scorer is None else costs.forward(
+            scorer.model.config, batch=len(ro), seq_len=ro.sequence_ids.shape[1], logits="scalar")
+        with ctx.phase("score", stage=stage, step=step, cost=rm_cost):  # the reward model's forward, if any
+            total, metrics = score(verifiers, scorer, cfg.reward_model_weight, ro, [problems[i] for i in idx])
+        return JudgedBatch(step, list(ro.texts), list(ro.finish_reason), list(total), metrics)
 
     # ---- loop ----------------------------------------------------------------------------------
     rows: list[dict] = []
@@ -226,28 +308,23 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     totals = {"truncated": 0, "empty": 0, "unjudged": 0, "below_min": 0, "duplicates": 0, "prompts_without_keep": 0,
               **({"prompts_without_pair": 0} if cfg.pairs else {})}
     samples = passes = 0
-    n_steps = -(-len(problems) // cfg.batch_prompts)
     last: dict[str, float] = {}
+    journal = Journal(jpath, stage, fp, keep=len(journaled))
     try:
         with ctx.progress() as bar:
             task = bar.add_task(stage, total=n_steps, completed=0, info="")
             for step, start in enumerate(range(0, len(problems), cfg.batch_prompts), 1):
                 idx = list(range(start, min(start + cfg.batch_prompts, len(problems))))
-                params = SamplingParams(n=cfg.samples, temperature=cfg.temperature, top_p=cfg.top_p,
-                                        max_new_tokens=cfg.max_new_tokens,
-                                        seed=ctx.recipe.seed * 1_000_003 + 10_007 * cfg.draw + step)
-                with ctx.phase("generate", stage=stage, step=step) as p:
-                    ro: Rollout = engine.generate([prompts[i] for i in idx], params)
-                    p.cost = costs.decode(model.config, batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
-                                          new_tokens=max(1, ro.completion_ids.shape[1]))
-                rm_cost = None if scorer is None else costs.forward(
-                    scorer.model.config, batch=len(ro), seq_len=ro.sequence_ids.shape[1], logits="scalar")
-                with ctx.phase("score", stage=stage, step=step, cost=rm_cost):  # the reward model's forward, if any
-                    total, metrics = score(verifiers, scorer, cfg.reward_model_weight, ro, [problems[i] for i in idx])
+                if step <= len(journaled):
+                    batch = journaled[step - 1]
+                else:
+                    batch = judge(step, idx)
+                    journal.append(batch)  # durable before the next batch starts
+                total, texts, finish = batch.total, batch.texts, batch.finish
                 kept_before = len(rows)
                 for j, i in enumerate(idx):
                     sl = slice(j * cfg.samples, (j + 1) * cfg.samples)
-                    kept, counts = select(problems[i], ro.texts[sl], total[sl], ro.finish_reason[sl],
+                    kept, counts = select(problems[i], texts[sl], total[sl], finish[sl],
                                           keep=cfg.keep, min_reward=cfg.min_reward)
                     key_prompt = json.dumps([m.as_dict() for m in prompt_messages(problems[i].prompt)])
                     new = [(c, r) for c, r in kept if (key_prompt, _SPACES.sub(" ", c)) not in seen_pairs]
@@ -257,26 +334,33 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                         rows.append(sft_row(problems[i], c, r))
                     totals["prompts_without_keep"] += not new
                     if cfg.pairs:
-                        pair = best_and_worst(ro.texts[sl], total[sl], ro.finish_reason[sl], min_reward=cfg.min_reward,
+                        pair = best_and_worst(texts[sl], total[sl], finish[sl], min_reward=cfg.min_reward,
                                               margin=cfg.pair_margin)
                         totals["prompts_without_pair"] += not add_pair(pair_rows, seen_prefs, problems[i], key_prompt, pair)
                     for k, v in counts.items():
                         totals[k] += v
                 judged = [t for t in total if t is not None]
-                samples += len(ro)
+                samples += len(texts)
                 passes += sum(t >= cfg.min_reward for t in judged)
-                last = {**metrics, "rs/accept_rate": sum(t >= cfg.min_reward for t in judged) / len(ro),
+                last = {**batch.metrics, "rs/accept_rate": sum(t >= cfg.min_reward for t in judged) / len(texts),
                         "rs/kept": float(len(rows) - kept_before), **({"rs/pairs": float(len(pair_rows))} if cfg.pairs else {})}
                 if step < n_steps:
-                    ctx.log(stage, step, last)
+                    ctx.log(stage, step, last)  # a replayed batch logs again: the resume dropped the killed run's rows
                 bar.update(task, completed=step, info=f"kept {len(rows):,}")
     finally:
+        journal.close()
         close_rewards(verifiers)
 
     # ---- save ----------------------------------------------------------------------------------
+    index = recipe_eval_index(ctx) if "decontaminate" in cfg.gates else None
+    rows, gated = gate_rows(rows, "sft", cfg.gates, index, str(out_path))
+    pair_rows, pairs_gated = gate_rows(pair_rows, "preference", cfg.gates if cfg.pairs else [], index, str(pairs_out))
+    for r in gated + pairs_gated:
+        ctx.console.print(f"{stage}: gate {r.summary()}")
     if not rows:
         raise ValueError(f"{stage}: no sample reached min_reward={cfg.min_reward} on {len(problems)} prompts × "
-                         f"{cfg.samples} samples; nothing to write (lower min_reward or raise samples)")
+                         f"{cfg.samples} samples" + (f" and passed the gates {cfg.gates}" if cfg.gates else "")
+                         + "; nothing to write (lower min_reward or raise samples)")
     if pairs_out is not None and not pair_rows:
         raise ValueError(f"{stage}: no preference pair on {len(problems)} prompts × {cfg.samples} samples (no prompt had a "
                          f"sample ≥ min_reward={cfg.min_reward} and a finished one more than pair_margin={cfg.pair_margin} "
@@ -287,8 +371,10 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
         write_jsonl(pairs_out, pair_rows)
         read_jsonl(pairs_out, "preference")  # and the pairs as preference data
     summary = {"rs/rows": float(len(rows)), "rs/accept_rate": passes / samples, "rs/prompts": float(len(problems)),
+               "rs/batches_replayed": float(len(journaled)), "rs/batches_judged": float(n_steps - len(journaled)),
                **({"rs/pairs": float(len(pair_rows))} if cfg.pairs else {}),
-               **{f"rs/{k}": float(v) for k, v in totals.items()}}
+               **{f"rs/{k}": float(v) for k, v in totals.items()},
+               **gate_metrics(gated), **gate_metrics(pairs_gated, "pairs.")}
     ctx.log(stage, n_steps, {**last, **summary})
     ctx.console.print(f"{stage}: wrote {len(rows):,} SFT rows to {out_path} (accept rate {passes / samples:.1%}; "
                       f"{totals['prompts_without_keep']} prompts without a kept sample, {totals['duplicates']} duplicates)")
@@ -297,6 +383,12 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
         ctx.console.print(f"{stage}: wrote {len(pair_rows):,} preference pairs to {pairs_out} "
                           f"({totals['prompts_without_pair']} prompts without a pair)")
         data.update(pairs_output=str(pairs_out), pairs=len(pair_rows))
-    state = {"stage": stage, "step": n_steps, "data": data}
-    final = save_checkpoint(ctx.stage_dir(stage), model, tok, state, keep_last=1, final=True)
+    if journaled:
+        ctx.console.print(f"{stage}: {len(journaled)} of {n_steps} batches replayed from {jpath} "
+                          f"(not generated, not judged again); {n_steps - len(journaled)} judged now")
+    state = {"stage": stage, "step": n_steps, "data": data,
+             **({"teacher": str(gen_path)} if teacher is not None else {})}
+    # final/ holds the current policy: the sampler itself, or — with a teacher — the student, loaded only now
+    student = model if teacher is None and model is not None else ctx.load_model(policy)
+    final = save_checkpoint(ctx.stage_dir(stage), student, ctx.tokenizer, state, keep_last=1, final=True)
     return StageResult(final, summary)

@@ -12,7 +12,7 @@ from typing import Any
 from posttrain.tasks.base import Capability, EvalRequest, PhaseFn, Task, TaskError
 from posttrain.tasks.records import EvalRecord
 
-BUILTIN = ("arithmetic", "arithmetic-tools", "code", "humaneval")
+BUILTIN = ("arithmetic", "arithmetic-tools", "code", "code-tools", "humaneval")
 
 
 class HumanEvalTask(Task):
@@ -56,6 +56,10 @@ def build_task(name: str, *, world_seed: int = 0, arithmetic_eval_per_level: int
         from posttrain.tasks.verified import CodeTask
 
         return CodeTask()
+    if name == "code-tools":
+        from posttrain.tasks.code_tools import CodeToolsTask
+
+        return CodeToolsTask(seed=world_seed)
     if name == "humaneval":
         return HumanEvalTask()
     raise MissingTask(f"unknown task {name!r}; built-in tasks are {list(BUILTIN)} (a user's file: give `path` instead)")

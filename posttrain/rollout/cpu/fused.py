@@ -170,6 +170,7 @@ class FusedWeights:
         self._scratch: dict[tuple, Tensor] = {}  # merged LoRA weights, one per shape (`_w`)
         self.layers: list[_Layer] = []
         self._projections: dict[str, tuple[int, list[_LayerProjections], MatmulForm]] = {}
+        self._released: dict[str, int] = {}  # the decode forms (kind → rows) `release` dropped: `rebuild` remakes them
         self.moved_bytes = 0
 
     def _version(self) -> tuple:
@@ -288,9 +289,10 @@ class FusedWeights:
         """Rebuild now, not at the next `refresh`: the copies, and the decode forms the last generate used
         (same kinds and rows). Returns the bytes read and written — what moving the weights to the
         engine cost (the stages time it as the `sync` phase). Never built yet: nothing to rebuild (0)."""
-        if self._key is None and not self.layers:
+        if self._key is None and not self.layers and not self._released:
             return 0
-        last = {kind: rows for kind, (rows, _, _) in self._projections.items()}
+        last = {kind: rows for kind, (rows, _, _) in self._projections.items()} or self._released
+        self._released = {}
         self.invalidate()
         self.refresh()
         moved = self.moved_bytes
@@ -300,6 +302,18 @@ class FusedWeights:
                 written = proj.packed.nbytes if proj.packed is not None else (proj.w.nbytes if kind == "mm" else 0)
                 moved += proj.w.nbytes + written
         return moved
+
+    def release(self) -> int:
+        """Free the fused copies and the decode forms; returns the bytes freed. The next `rebuild` (the
+        stage's `sync`) or `refresh` builds them again, with the decode forms the last generate used. A
+        policy's weights change at every optimizer step, so the copies are rebuilt after it anyway: freeing
+        them before the update costs their allocation, and takes them out of the update's memory peak."""
+        freed = self.resident_bytes()
+        self._released = {kind: rows for kind, (rows, _, _) in self._projections.items()} or self._released
+        self._buffers, self._scratch, self._projections, self.layers = {}, {}, {}, []
+        self.embed = self.lm_head = self.lm_head_bias = None
+        self._key = None
+        return freed
 
     def resident_bytes(self) -> int:
         """Bytes this engine holds beyond the model's own parameters: the fused copies and decode forms."""
