@@ -18,7 +18,7 @@ Departures / limits:
    binomial estimate) and does take part.
 2. The two estimates are treated as independent even when both checkpoints were evaluated on the same
    held-out problems (a paired test would be tighter); two standard errors is therefore conservative
-   for a real change and, with many rows, still flags about 5% of flat rows by chance.
+   for a real change; a flat row is still marked by chance up to ~5% of the time (two-sided 2σ).
 """
 
 from __future__ import annotations
