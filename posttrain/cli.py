@@ -159,6 +159,46 @@ def report(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
 
 
 @app.command()
+def bisect(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> None:
+    """Evals on every checkpoint in pipeline order; moves beyond 2 standard errors marked; the first checkpoint where each dropped."""
+    from rich.table import Table
+
+    from posttrain.report import bisect_table, eval_table, load_run
+    from posttrain.report.charts import eval_row_label
+
+    if not (run_dir / "evals.jsonl").is_file():
+        what = "does not exist" if not run_dir.is_dir() else "has no evals.jsonl (did the recipe name `evals`?)"
+        console.print(f"[bold red]error:[/] {run_dir}: {what}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    try:  # ReportError (a bad line) or ValueError (a row missing stage/eval/metric/value): a user error
+        evals = eval_table(load_run(run_dir))
+    except ValueError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    tracks, columns = bisect_table(evals), evals.columns
+    table = Table(title=f"evals of {run_dir} across the pipeline (Δ in points; ▲/▼ beyond 2 standard errors)")
+    table.add_column("eval")
+    for c in columns:
+        table.add_column(c, justify="right")
+    table.add_column("first drop")
+    for t in tracks:
+        moves = {m.after: m for m in t.moves}
+        cells = []
+        for c in columns:
+            if c not in t.values:  # this checkpoint has no such row
+                cells.append("")
+                continue
+            v, m = t.values[c], moves.get(c)
+            text = "—" if v is None else f"{100 * v:.1f}%"
+            if m is not None:
+                mark = {"up": " [green]▲[/]", "down": " [red]▼[/]"}.get(m.verdict, "")
+                text += f" ({100 * m.delta:+.1f}){mark}"
+            cells.append(text)
+        table.add_row(eval_row_label(t.row), *cells, f"[red]{t.first_drop}[/]" if t.first_drop else "—")
+    console.print(table)
+
+
+@app.command()
 def doctor(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> None:
     """Diagnose a run folder's streams: write RUN_DIR/doctor.json and print the findings."""
     from posttrain.doctor import write_doctor_json

@@ -11,14 +11,19 @@ roofline placement and the cycle gap of `posttrain.telemetry`.
 from __future__ import annotations
 
 from posttrain.report.curves import downsample
+from posttrain.report.eval_bisect import EvalTrack, Move, bisect_run, bisect_table
 from posttrain.report.page import render, write_report
 from posttrain.report.run_data import ReportError, RunData, load_run
 from posttrain.report.summaries import character, eval_table, rl_iteration, rl_iterations, summarize
 from posttrain.report.terminal import summary_renderable
 
 __all__ = [
+    "EvalTrack",
+    "Move",
     "ReportError",
     "RunData",
+    "bisect_run",
+    "bisect_table",
     "character",
     "downsample",
     "eval_table",

@@ -24,6 +24,7 @@ from posttrain.report import charts
 from posttrain.report._format import duration, pct, pct100, si
 from posttrain.report.curves import MAX_POINTS, stage_curves
 from posttrain.report.doctor_panel import doctor_section
+from posttrain.report.eval_bisect import Move, bisect_table, move
 from posttrain.report.run_data import BASE, RunData, finite_or_none, load_run
 from posttrain.report.summaries import (
     EVAL_PHASES,
@@ -108,7 +109,7 @@ def _stage_evals(table: EvalTable, stage: str) -> str:
         delta = ""
         p = table.cell(prev, row) if prev else None
         if p is not None:
-            delta = _delta(p, c)
+            delta = _delta(move(p, c))
         rows.append(f"<tr><td>{e(charts.eval_row_label(row))}</td><td>{_cell_value(c)}</td><td>{delta}</td></tr>")
     th = f"<th>eval</th><th>{e(stage)}</th><th>{'Δ vs ' + e(prev) if prev else ''}</th>"
     return f'<table class="data num"><thead><tr>{th}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
@@ -301,32 +302,33 @@ def _cell_value(c: Any) -> str:
     return f'{100 * c.value:.1f}%<small>{se}{f" n={c.n}" if c.n else ""}</small>'
 
 
-def _delta(p: Any, c: Any) -> str:
-    if p.value is None or c.value is None or not (math.isfinite(p.value) and math.isfinite(c.value)):
+def _delta(m: Move | None) -> str:
+    """Δ from the previous checkpoint, coloured up/down when beyond two standard errors (report/eval_bisect.py)."""
+    if m is None:
         return ""
-    d = c.value - p.value
-    se = math.hypot(p.stderr or 0.0, c.stderr or 0.0)
-    cls = "flat" if abs(d) <= 2 * se or d == 0 else ("up" if d > 0 else "down")
-    return f'<span class="delta {cls}">{100 * d:+.1f}</span>'
+    cls = m.verdict if m.verdict in ("up", "down") else "flat"
+    return f'<span class="delta {cls}">{100 * m.delta:+.1f}</span>'
 
 
 def _evals(table: EvalTable, figs: dict[str, Any], n: int) -> str:
     if not table.columns:
         return (f'<section id="evals"><h2><span class="secnum">{n}</span>Evals across the pipeline</h2>'
                 f'<p class="muted">No evals recorded (evals.jsonl is empty or absent).</p></section>')
-    th = "<th>eval</th>" + "".join(f"<th>{e(c)}</th>" for c in table.columns)
+    th = "<th>eval</th>" + "".join(f"<th>{e(c)}</th>" for c in table.columns) + "<th>first drop</th>"
     rows = []
-    for row in table.rows:
-        cells, prev = [], None
+    for track in bisect_table(table):
+        moves = {m.after: m for m in track.moves}
+        cells = []
         for col in table.columns:
-            c = table.cell(col, row)
-            cells.append("<td></td>" if c is None else f"<td>{_cell_value(c)}{_delta(prev, c) if prev else ''}</td>")
-            prev = c or prev
-        rows.append(f"<tr><td>{e(charts.eval_row_label(row))}</td>{''.join(cells)}</tr>")
+            c = table.cell(col, track.row)
+            cells.append("<td></td>" if c is None else f"<td>{_cell_value(c)}{_delta(moves.get(col))}</td>")
+        drop = f'<span class="delta down">{e(track.first_drop)}</span>' if track.first_drop else "—"
+        rows.append(f"<tr><td>{e(charts.eval_row_label(track.row))}</td>{''.join(cells)}<td>{drop}</td></tr>")
     return (f'<section id="evals"><h2><span class="secnum">{n}</span>Evals across the pipeline</h2>'
             f'<p class="lede">The same held-out evals on every checkpoint; Δ is the change from the previous '
-            f'checkpoint in points, coloured when it exceeds two standard errors — the stage where a number '
-            f'moved is the one to look at.</p>'
+            f'checkpoint in points, coloured when it exceeds two standard errors of the difference '
+            f'(√(se₁² + se₂²); uncoloured when a side has no standard error); <em>first drop</em> names the first '
+            f'checkpoint where the number fell beyond that — the stage to look at (also: <code>posttrain bisect</code>).</p>'
             f'<table class="data num bisect"><thead><tr>{th}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
             f'{_chart("evals-fig", figs, charts.evals_figure(table), "")}</section>')
 
