@@ -93,7 +93,7 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
              "data": [{"path": str(data)}], "log_every": 1, "save_every": steps + 1,
              "optim": {"lr": LR, "warmup_steps": 0, "min_lr_ratio": 1.0}, **(overrides or {})}
     recipe = Recipe.model_validate({"name": "bench", "threads": threads, "dtype": "bf16" if bf16 else "fp32",
-                                    "stages": [stage], **({"lora": LORA} if lora else {})})
+                                    "stages": [stage], **({"model": {"lora": LORA}} if lora else {})})
     records: list[dict] = []
     cpu: list[float] = []
 

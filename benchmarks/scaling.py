@@ -87,11 +87,19 @@ def physical_limit(model_dir: Path, completion: int, completion_mean: float, pea
             "limit_s": update.flops / roof_f + decode.bytes / roof_b}
 
 
-def run_grpo_cases(cases: list[str], folder: Path, *, steps: int, threads: int, peaks) -> list[dict]:
+def _save_partial(out: Path | None, row: dict) -> None:
+    """Append a finished case to `out/partial.jsonl` at once: a later case that fails loses nothing."""
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "partial.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def run_grpo_cases(cases: list[str], folder: Path, *, steps: int, threads: int, peaks, out: Path | None = None) -> list[dict]:
     from posttrain.models.gguf import smollm2_135m_instruct
 
     tiny_dir, data = grpo_sides.prepare(folder / "grpo", max_seq_len=1280)
-    out = []
+    rows = []
     for k, case in enumerate(cases):
         model, completion, lora = parse_case(case)
         model_dir = tiny_dir if model == "tiny-30m" else smollm2_135m_instruct()
@@ -105,16 +113,17 @@ def run_grpo_cases(cases: list[str], folder: Path, *, steps: int, threads: int, 
         row = {"kind": "grpo", "case": case, "sides": sides}
         if model == "tiny-30m":
             row["limit"] = physical_limit(model_dir, completion, sides["posttrain-bf16"]["completion_tokens_mean"], peaks)
-        out.append(row)
-    return out
+        rows.append(row)
+        _save_partial(out, row)
+    return rows
 
 
-def run_dpo_cases(cases: list[str], folder: Path, *, steps: int, threads: int) -> list[dict]:
+def run_dpo_cases(cases: list[str], folder: Path, *, steps: int, threads: int, out: Path | None = None) -> list[dict]:
     from posttrain.models import load_tokenizer
 
     tiny_dir, _ = grpo_sides.prepare(folder / "dpo", max_seq_len=1280)
     tok = load_tokenizer(tiny_dir)
-    out = []
+    rows = []
     for k, case in enumerate(cases):
         _, length, _ = parse_case(case)
         pairs = folder / f"pairs-{length}.jsonl"
@@ -127,8 +136,9 @@ def run_dpo_cases(cases: list[str], folder: Path, *, steps: int, threads: int) -
             sides[s] = dpo_sides.side(s, tiny_dir, pairs, steps=steps + 1, batch=8, max_len=length + 32,
                                       threads=threads, warmup=0)
             print(f" {sides[s]['s_per_step']:.2f} s/step, {sides[s]['peak_rss_mib']:.0f} MiB ({time.perf_counter() - t0:.0f} s)")
-        out.append({"kind": "dpo", "case": case, "sides": sides, "tokens": tokens})
-    return out
+        rows.append({"kind": "dpo", "case": case, "sides": sides, "tokens": tokens})
+        _save_partial(out, rows[-1])
+    return rows
 
 
 def tables(rows: list[dict], *, threads: int, steps: int) -> str:
@@ -219,8 +229,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         rows = run_grpo_cases([c for c in cases if not c.startswith("dpo")], folder, steps=a.steps, threads=a.threads,
-                              peaks=peaks)
-        rows += run_dpo_cases([c for c in cases if c.startswith("dpo")], folder, steps=a.steps, threads=a.threads)
+                              peaks=peaks, out=a.out)
+        rows += run_dpo_cases([c for c in cases if c.startswith("dpo")], folder, steps=a.steps, threads=a.threads, out=a.out)
     a.out.mkdir(parents=True, exist_ok=True)
     text = tables(rows, threads=a.threads, steps=a.steps)
     print("\n" + text + f"\n\n{time.perf_counter() - t0:.0f} s in all")
