@@ -74,8 +74,9 @@ def physical_limit(model_dir: Path, completion: int, completion_mean: float, pea
     from posttrain.models import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    p = round(statistics.mean(len(tok.apply_chat_template([{"role": "user", "content": x}], add_generation_prompt=True,
-                                                          tokenize=True)) for x in prompts))
+    p = round(statistics.mean(len(tok(tok.apply_chat_template([{"role": "user", "content": x}], add_generation_prompt=True,
+                                                              tokenize=False), add_special_tokens=False)["input_ids"])
+                              for x in prompts))
     n = max(1, round(completion_mean))
     groups = grpo_sides.SEQS // grpo_sides.G
     update = costs.train_step(config, batch=groups, seq_len=p + grpo_sides.G * n, dtype="bf16")
