@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from posttrain.models import checkpoint_folder
 from posttrain.runtime.config import ConstitutionalRLStage, ConstitutionalSLStage, ConstitutionalStage, FeedbackModel, Recipe
 from posttrain.runtime.context import RunContext
 from posttrain.rollout import RolloutEngine
+from posttrain.stages._rlvr import encode_problems, load_problems
+from posttrain.telemetry import costs
 
 
 def output_path(cfg: ConstitutionalStage, run_dir: Path) -> Path:
@@ -77,6 +80,35 @@ def make_labeler(spec: FeedbackModel, ctx: RunContext, policy: Any, engine: Roll
     if spec.kind == "rule":
         return RuleLabeler()
     return ChatLabeler(chat_backend(spec, ctx, policy, engine))
+
+
+@dataclass
+class Setup:
+    """What both stages hold before their loop: the constitution, the prompts, the policy and its engine
+    (weights synced once, timed as `sync`), the principle stream and where the stage writes."""
+
+    constitution: Constitution
+    problems: list[Problem]
+    prompts: list[list[int]]
+    model: Any
+    engine: RolloutEngine
+    rng: random.Random
+    out_path: Path
+    rec_path: Path
+
+
+def setup(cfg: ConstitutionalStage, ctx: RunContext, spec: FeedbackModel, *, seed_offset: int) -> Setup:
+    """Load and check the constitution for `spec` (the reviser or the judge), draw the stage's problems
+    (`seed_offset` + 100 × draw: each stage and draw its own problems), load the start policy."""
+    constitution = load_checked_constitution(cfg, spec)
+    problems = load_problems(ctx, cfg.data, levels=cfg.levels, seed_offset=seed_offset + 100 * cfg.draw)
+    prompts = encode_problems(problems, ctx.tokenizer, cfg.max_prompt_len)
+    model = ctx.load_model(ctx.start)
+    engine = ctx.rollout_engine(model)
+    with ctx.phase("sync", stage=cfg.folder, step=1) as ph:
+        ph.cost = costs.Cost(bytes=engine.sync_weights(model))
+    return Setup(constitution, problems, prompts, model, engine, principle_rng(ctx, cfg),
+                 output_path(cfg, ctx.run_dir), records_path(cfg, ctx.run_dir))
 
 
 def principle_rng(ctx: RunContext, cfg: ConstitutionalStage) -> random.Random:

@@ -44,33 +44,22 @@ from posttrain.runtime.context import RunContext, StageResult
 from posttrain.stages._constitution import (
     compliance,
     compliance_rates,
-    load_checked_constitution,
     make_reviser,
-    output_path,
-    principle_rng,
-    records_path,
+    setup,
 )
-from posttrain.stages._rlvr import encode_problems, load_problems
 from posttrain.stages.rejection_sampling import write_jsonl
 from posttrain.telemetry import costs
 
 SEED_OFFSET = 2_000  # world problems distinct from GRPO's (0) and rejection sampling's (1,000)
-DRAW_STRIDE = 100
 
 
 def run_constitutional_sl(cfg: ConstitutionalSLStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
     stage, tok = cfg.folder, ctx.tokenizer
-    constitution = load_checked_constitution(cfg, cfg.reviser)
-    problems = load_problems(ctx, cfg.data, levels=cfg.levels, seed_offset=SEED_OFFSET + DRAW_STRIDE * cfg.draw)
-    prompts = encode_problems(problems, tok, cfg.max_prompt_len)
-    model = ctx.load_model(ctx.start)
-    engine = ctx.rollout_engine(model)
-    with ctx.phase("sync", stage=stage, step=1) as ph:
-        ph.cost = costs.Cost(bytes=engine.sync_weights(model))
+    su = setup(cfg, ctx, cfg.reviser, seed_offset=SEED_OFFSET)
+    constitution, problems, prompts, model, engine = su.constitution, su.problems, su.prompts, su.model, su.engine
+    rng, out_path, rec_path = su.rng, su.out_path, su.rec_path
     reviser = make_reviser(cfg.reviser, ctx, model, engine)
-    rng = principle_rng(ctx, cfg)
-    out_path, rec_path = output_path(cfg, ctx.run_dir), records_path(cfg, ctx.run_dir)
     ctx.console.print(f"{stage}: {len(problems):,} prompts, 1 response each at T={cfg.temperature}; {cfg.revisions} critique → "
                       f"revision pass(es) by the {cfg.reviser.kind} reviser against {len(constitution.principles)} principles "
                       f"of {constitution.source} → {out_path} (records: {rec_path})")
