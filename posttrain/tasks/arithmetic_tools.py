@@ -27,18 +27,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from contextlib import nullcontext
 from functools import cached_property
 from typing import Any
 
 import torch
 
 from posttrain.data.records import Message, Problem, Record, SFTExample
-from posttrain.envs import Budget, EnvironmentFactory, build_environment, format_call, run_episodes
+from posttrain.envs import EnvironmentFactory, build_environment, format_call
 from posttrain.envs.episodes import Episode, EpisodeEnd
-from posttrain.rollout import SamplingParams, make_engine
 from posttrain.tasks.base import Capability, EvalRequest, PhaseFn, Task, TaskError
-from posttrain.tasks.evaluate import eval_sets, rate
+from posttrain.tasks.episode_eval import evaluate_episodes
 from posttrain.tasks.records import EvalRecord
 from posttrain.worlds.arithmetic import gold_reward, parse_answer
 from posttrain.worlds.tool_arithmetic import (
@@ -149,36 +147,8 @@ class ArithmeticToolsTask(Task):
         """Greedy episodes in the task's environment, per level and pooled: `exact_match` and
         `tool_use`. Each turn answers in at most `max_new_tokens`; an episode has at most 3 turns and
         the model's context. Sampled pass@k over episodes is not built (an error, not a silent skip)."""
-        if request.k:
-            raise TaskError(f"task {NAME!r}: sampled pass@k over episodes is not built; evaluate it greedy (no `k`)")
-        sets = eval_sets(self, request)
-        engine = make_engine("native", model, tok)
-        budget = Budget(max_turns=EVAL_TURNS, max_tokens=int(model.config.max_position_embeddings),
-                        turn_tokens=request.max_new_tokens)
-        factory = self.environment()
-        out: list[EvalRecord] = []
-        hits_all = used_all = total = 0
-        was_training = model.training
-        model.eval()
-        try:
-            for level, problems in sets.items():
-                hits = used = 0
-                for i in range(0, len(problems), request.batch_size):
-                    chunk = problems[i: i + request.batch_size]
-                    run = run_episodes(engine, tok, factory, chunk, budget=budget, params=SamplingParams(temperature=0.0),
-                                       phase=lambda name: phase() if phase is not None else nullcontext())
-                    hits += sum(episode_correct(p, e) for p, e in zip(chunk, run.episodes))
-                    used += sum(e.tool_calls > 0 for e in run.episodes)
-                out.append(rate(stage, checkpoint, NAME, level, "exact_match", hits, len(problems)))
-                out.append(rate(stage, checkpoint, NAME, level, "tool_use", used, len(problems)))
-                hits_all, used_all, total = hits_all + hits, used_all + used, total + len(problems)
-        finally:
-            factory.close()
-            model.train(was_training)
-        if len(sets) > 1:
-            out.append(rate(stage, checkpoint, NAME, None, "exact_match", hits_all, total))
-            out.append(rate(stage, checkpoint, NAME, None, "tool_use", used_all, total))
-        return out
+        return evaluate_episodes(self, model, tok, request, stage=stage, checkpoint=checkpoint, phase=phase,
+                                 metric="exact_match", correct=episode_correct, turns=EVAL_TURNS)
 
 
 class _Value:

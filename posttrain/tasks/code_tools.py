@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from contextlib import nullcontext
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -43,12 +42,11 @@ from typing import Any
 from posttrain.data.records import Problem, Record
 import torch
 
-from posttrain.envs import Budget, EnvironmentFactory, EpisodeEnd, run_episodes
+from posttrain.envs import EnvironmentFactory, EpisodeEnd
 from posttrain.envs.code_env import build_code_environment
-from posttrain.rollout import SamplingParams, make_engine
 from posttrain.sandbox import parse_assert
 from posttrain.tasks.base import Capability, EvalRequest, PhaseFn, Task, TaskError
-from posttrain.tasks.evaluate import eval_sets, rate
+from posttrain.tasks.episode_eval import evaluate_episodes
 from posttrain.tasks.records import EvalRecord
 from posttrain.worlds.code_functions import LEVELS, CodeFunction, generate
 
@@ -164,36 +162,8 @@ class CodeToolsTask(Task):
                  phase: PhaseFn | None = None) -> list[EvalRecord]:
         """Greedy episodes (≤ 3 turns of ≤ `max_new_tokens`, the model's context in all): `pass` — the
         episode ended with an answer that passed every hidden test — and `tool_use`, per level and pooled."""
-        if request.k:
-            raise TaskError(f"task {NAME!r}: sampled pass@k over episodes is not built; evaluate it greedy (no `k`)")
-        sets = eval_sets(self, request)
-        engine = make_engine("native", model, tok)
-        budget = Budget(max_turns=EVAL_TURNS, max_tokens=int(model.config.max_position_embeddings),
-                        turn_tokens=request.max_new_tokens)
-        factory = self.environment()
-        out: list[EvalRecord] = []
-        hits_all = used_all = total = 0
-        was_training = model.training
-        model.eval()
-        try:
-            for level, problems in sets.items():
-                hits = used = 0
-                for i in range(0, len(problems), request.batch_size):
-                    chunk = problems[i: i + request.batch_size]
-                    run = run_episodes(engine, tok, factory, chunk, budget=budget, params=SamplingParams(temperature=0.0),
-                                       phase=lambda name: phase() if phase is not None else nullcontext())
-                    hits += sum(e.end is EpisodeEnd.DONE and e.reward == 1.0 for e in run.episodes)
-                    used += sum(e.tool_calls > 0 for e in run.episodes)
-                out.append(rate(stage, checkpoint, NAME, level, "pass", hits, len(problems)))
-                out.append(rate(stage, checkpoint, NAME, level, "tool_use", used, len(problems)))
-                hits_all, used_all, total = hits_all + hits, used_all + used, total + len(problems)
-        finally:
-            factory.close()
-            model.train(was_training)
-        if len(sets) > 1:
-            out.append(rate(stage, checkpoint, NAME, None, "pass", hits_all, total))
-            out.append(rate(stage, checkpoint, NAME, None, "tool_use", used_all, total))
-        return out
+        return evaluate_episodes(self, model, tok, request, stage=stage, checkpoint=checkpoint, phase=phase,
+                                 metric="pass", correct=lambda p, e: e.end is EpisodeEnd.DONE and e.reward == 1.0, turns=EVAL_TURNS)
 
     def tokenizer_texts(self) -> list[str]:
         rng = random.Random(f"{self._seed}-code-tokenizer")
