@@ -54,6 +54,19 @@ def world():
 
 
 @pytest.fixture(scope="session")
+def tok():
+    """A tokenizer trained on 300 random sums ("a + b = c"): what the rollout and episode tests sample
+    with. A test module that needs another defines its own `tok`, which takes precedence."""
+    import random
+
+    from posttrain.models import train_tokenizer
+
+    rng = random.Random(0)
+    texts = [f"{a} + {b} = {a + b}" for a, b in ((rng.randint(0, 999), rng.randint(0, 999)) for _ in range(300))]
+    return train_tokenizer(texts, vocab_size=512)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(world):
     from posttrain.models import train_tokenizer
 

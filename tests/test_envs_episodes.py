@@ -4,7 +4,6 @@ the recorded log-probs equal a teacher-forced forward; budgets end episodes; slo
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
@@ -13,19 +12,12 @@ import torch
 
 from posttrain.data.records import Message, Problem
 from posttrain.envs import Budget, EpisodeEnd, StepResult, pad_episodes, run_episodes
-from posttrain.models import build_tiny, train_tokenizer
+from posttrain.models import build_tiny
 from posttrain.rollout import SamplingParams, make_engine
 
 from conftest import Recording
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    rng = random.Random(0)
-    texts = [f"{a} + {b} = {a + b}" for a, b in ((rng.randint(0, 999), rng.randint(0, 999)) for _ in range(300))]
-    return train_tokenizer(texts, vocab_size=512)
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,13 @@ episode ends."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from posttrain.data.records import Message, Problem
 from posttrain.envs import Budget, StepResult, run_episodes
-from posttrain.models import build_tiny, train_tokenizer
+from posttrain.models import build_tiny
 from posttrain.rollout import NativeEngine, SamplingParams, make_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,13 +21,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # another order; measured ≤ 1e-5 per log-prob. It could fail if a greedy step met a near-tie (top-2
 # logits within ~1e-6): the paths would then pick different tokens; the fixed seeds here have none.
 LOGPROB_TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tok():
-    rng = random.Random(0)
-    texts = [f"{a} + {b} = {a + b}" for a, b in ((rng.randint(0, 999), rng.randint(0, 999)) for _ in range(300))]
-    return train_tokenizer(texts, vocab_size=512)
 
 
 @pytest.fixture(scope="module")

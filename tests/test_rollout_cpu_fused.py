@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from posttrain.models import build_tiny, train_tokenizer
+from posttrain.models import build_tiny
 from posttrain.rollout import HFEngine, NativeEngine, SamplingParams
 from posttrain.rollout.cpu.fused import FusedDecoder, pair_halves
 from posttrain.rollout.kv_cache import KVCache
 from posttrain.rollout.cpu.projections import FORMS, PROJECTION_KINDS, make_projection, projection_kind
 from posttrain.rollout.cpu.tuning import candidates as tuning_candidates
-
-
-@pytest.fixture(scope="module")
-def tok():
-    rng = random.Random(0)
-    texts = [f"{a} + {b} = {a + b}" for a, b in ((rng.randint(0, 999), rng.randint(0, 999)) for _ in range(300))]
-    return train_tokenizer(texts, vocab_size=512)
 
 
 def _cache(model, rows: int, capacity: int) -> KVCache:

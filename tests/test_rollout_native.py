@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from posttrain.models import build_tiny, train_tokenizer
+from posttrain.models import build_tiny
 from posttrain.rollout import (
     HFEngine,
     NativeEngine,
@@ -20,13 +19,6 @@ from posttrain.rollout.cpu.projections import FORMS
 from posttrain.rollout.sampling import process_logits
 
 CHI2_CRIT_DF3 = 16.266  # χ² critical value, 3 dof, α = 0.001
-
-
-@pytest.fixture(scope="module")
-def tok():
-    rng = random.Random(0)
-    texts = [f"{a} + {b} = {a + b}" for a, b in ((rng.randint(0, 999), rng.randint(0, 999)) for _ in range(300))]
-    return train_tokenizer(texts, vocab_size=512)
 
 
 def _model(tok, preset):

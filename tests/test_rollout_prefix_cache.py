@@ -3,12 +3,11 @@ weight changes never leave a stale entry; the byte cap holds; `PrefixCache` by h
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
-from posttrain.models import build_tiny, train_tokenizer
+from posttrain.models import build_tiny
 from posttrain.rollout import HFEngine, NativeEngine, SamplingParams, prefix_cache_of
 from posttrain.rollout.prefix_cache import PrefixCache, PrefixEntry
 
@@ -22,13 +21,6 @@ BYTES_PER_TOKEN = 4096
 # ≲ 1e-5 (measured ≤ 3.4e-6 here, ≤ 1.0e-5 over 4-turn episodes). 1e-4 leaves 10× room; a wrong position, a slot
 # off by one or an unmasked hole moves log-probs by ≳ 1e-2 and fails it.
 LOGPROB_TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tok():
-    rng = random.Random(0)
-    texts = [f"{a} + {b} = {a + b}" for a, b in ((rng.randint(0, 999), rng.randint(0, 999)) for _ in range(300))]
-    return train_tokenizer(texts, vocab_size=512)
 
 
 @pytest.fixture(scope="module")
