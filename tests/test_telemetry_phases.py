@@ -163,3 +163,39 @@ def test_read_phases_tolerates_only_a_truncated_last_line(tmp_path):
     path.write_text(json.dumps({"stage": "sft"}) + "\n")
     with pytest.raises(ValueError, match="bad phase record"):
         read_phases(path)
+
+
+def test_worker_thread_phases_do_not_nest_and_carry_their_worker(tmp_path):
+    """A rollout thread's phase overlaps the learner's: it is its own record (parent None, worker
+    "rollout0"), and the learner's phase keeps its whole time (nothing subtracted for the thread's)."""
+    import threading
+    tele = _open(tmp_path, busy=None)
+    started = threading.Event()
+
+    def rollout() -> None:
+        with tele.phase("generate", stage="grpo", step=2, worker="rollout0"):
+            started.set()
+            time.sleep(0.05)
+
+    with tele.phase("update", stage="grpo", step=1):
+        th = threading.Thread(target=rollout)
+        th.start()
+        started.wait()
+        th.join()
+    tele.close()
+    recs = {r.name: r for r in read_phases(tmp_path / "phases.jsonl")}
+    assert recs["generate"].worker == "rollout0" and recs["generate"].parent is None
+    assert recs["update"].worker == "main" and recs["update"].seconds >= 0.05  # not reduced by the thread's phase
+    raw = [json.loads(line) for line in (tmp_path / "phases.jsonl").read_text().splitlines()]
+    assert [("worker" in o) for o in raw] == [True, False]  # "main" is not written: old readers see old records
+
+
+def test_record_external_is_written_and_folded_into_its_step(tmp_path):
+    """A phase timed in another process (a Ray actor) joins its step like a local one."""
+    tele = _open(tmp_path, busy=None)
+    tele.record_external(PhaseRecord("grpo", 3, "generate", 1.0, 2.0, 4e9, 2e9, None, None, worker="rollout1"))
+    m = tele.step_metrics(stage="grpo", step=3)
+    tele.close()
+    assert m["phase/generate/seconds"] == 2.0
+    assert m["phase/generate/flops_per_s"] == pytest.approx(2e9)  # 4 GFLOP in 2 s
+    assert read_phases(tmp_path / "phases.jsonl")[0].worker == "rollout1"

@@ -24,6 +24,7 @@ from posttrain.rollout import RolloutEngine, make_engine
 from posttrain.rollout.cpu import fused_unsupported_reason
 from posttrain.telemetry import MetricSink, Telemetry
 from posttrain.telemetry.costs import Cost
+from posttrain.telemetry.phases import MAIN_WORKER
 from posttrain.tasks import EvalRequest, Task, TaskSet, build_task
 from posttrain.tasks.verified import JsonlTask
 
@@ -106,8 +107,9 @@ class RunContext:
         return make_engine(backend, model, tokenizer or self.tokenizer, **options)
 
     @contextmanager
-    def phase(self, name: str, *, stage: str, step: int, cost: Cost | None = None) -> Iterator[Any]:
-        with self.telemetry.phase(name, stage=stage, step=step, cost=cost) as p:
+    def phase(self, name: str, *, stage: str, step: int, cost: Cost | None = None,
+              worker: str = MAIN_WORKER) -> Iterator[Any]:
+        with self.telemetry.phase(name, stage=stage, step=step, cost=cost, worker=worker) as p:
             yield p
 
     def log(self, stage: str, step: int, metrics: dict[str, Any]) -> None:

@@ -50,6 +50,7 @@ from posttrain.telemetry.roofline import OVERHEAD_BELOW, place
 from posttrain.telemetry.sinks import JsonlSink, read_jsonl_records
 
 STANDARD_PHASES = ("generate", "tool", "score", "reference", "update", "sync", "eval")
+MAIN_WORKER = "main"
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -69,12 +70,17 @@ class PhaseRecord:
     mem_peak: int | None = None      # bytes: peak RSS (CPU) or peak allocated (CUDA) during the phase, children included
     mem_start: int | None = None     # bytes in use when it began (mem_peak − mem_start: what the phase added)
     mem_reserved: int | None = None  # CUDA: peak bytes reserved by the caching allocator
+    # who ran it: "main" (the one process, or the learner), "rank1" (a data-parallel rank), "rollout0"
+    # (a rollout worker: a thread of this process or a Ray actor) — the report draws one timeline per worker
+    worker: str = MAIN_WORKER
 
     def to_json(self) -> dict[str, Any]:
         obj = asdict(self)
         for k in ("mem_peak", "mem_start", "mem_reserved"):
             if obj[k] is None:
                 del obj[k]
+        if obj["worker"] == MAIN_WORKER:  # the one-process run's records read as they always did
+            del obj["worker"]
         return obj
 
     @classmethod
@@ -86,7 +92,8 @@ class PhaseRecord:
                        parent=obj.get("parent"),
                        mem_peak=None if obj.get("mem_peak") is None else int(obj["mem_peak"]),
                        mem_start=None if obj.get("mem_start") is None else int(obj["mem_start"]),
-                       mem_reserved=None if obj.get("mem_reserved") is None else int(obj["mem_reserved"]))
+                       mem_reserved=None if obj.get("mem_reserved") is None else int(obj["mem_reserved"]),
+                       worker=str(obj.get("worker", MAIN_WORKER)))
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{where}: bad phase record {obj!r}: {err!r}; expected the fields "
                              "stage, step, name, start, seconds, flops, bytes, busy, parent") from None
@@ -105,6 +112,7 @@ class Phase:
     stage: str
     step: int
     cost: Cost | None = None
+    worker: str = MAIN_WORKER
     _start: float = 0.0
     _children: list[tuple[float, float]] = field(default_factory=list)
     _child_seconds: float = 0.0
@@ -238,9 +246,12 @@ class Telemetry:
         return frames
 
     @contextmanager
-    def phase(self, name: str, *, stage: str, step: int, cost: Cost | None = None) -> Iterator[Phase]:
-        """Time the block as phase `name` of `stage`'s step `step`; `cost` may be set on the handle later."""
-        handle = Phase(name=name, stage=stage, step=step, cost=cost)
+    def phase(self, name: str, *, stage: str, step: int, cost: Cost | None = None,
+              worker: str = MAIN_WORKER) -> Iterator[Phase]:
+        """Time the block as phase `name` of `stage`'s step `step`; `cost` may be set on the handle later.
+        `worker`: who runs it (a rollout thread times its phases as e.g. "rollout0"); phases nest only
+        within one thread, so a worker thread's phases never become a learner phase's children."""
+        handle = Phase(name=name, stage=stage, step=step, cost=cost, worker=worker)
         if not self.enabled:
             yield handle
             return
@@ -302,13 +313,25 @@ class Telemetry:
                              flops=float(cost.flops), bytes=float(cost.bytes), busy=busy, parent=parent,
                              mem_peak=None if mem is None else mem.peak,
                              mem_start=None if mem is None else mem.start,
-                             mem_reserved=None if mem is None else mem.reserved)
-        key = (handle.stage, handle.step)
+                             mem_reserved=None if mem is None else mem.reserved, worker=handle.worker)
         with self._lock:
             self._open.pop(id(handle), None)
+        self._add(record, handle._start, end)
+
+    def record_external(self, record: PhaseRecord) -> None:
+        """Add a phase timed elsewhere — in a rollout worker's process (a Ray actor) — whose `start` is
+        already seconds since this run started (the caller maps the worker's clock). It is written,
+        folded into its step's metrics and placed on the roofline like a phase timed here."""
+        if not self.enabled:
+            return
+        self._add(record, self.started + record.start, self.started + record.start + record.seconds)
+
+    def _add(self, record: PhaseRecord, start: float, end: float) -> None:
+        key = (record.stage, record.step)
+        with self._lock:
             self._pending.setdefault(key, []).append(record)
-            lo, hi = self._windows.get(key, (handle._start, end))
-            self._windows[key] = (min(lo, handle._start), max(hi, end))
+            lo, hi = self._windows.get(key, (start, end))
+            self._windows[key] = (min(lo, start), max(hi, end))
             if self._sink is not None:
                 self._sink.log(record.to_json())
             revised = revise_one(self.peaks, self.dtype, record)
