@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from posttrain.models import build_tiny
+from posttrain.models import prefix_attention
 from posttrain.models.prefix_attention import NAME, shared_prefix
 from posttrain.rollout.text import positions_from_mask
 from posttrain.stages._packing import group_rows, shared_prompt_logits
@@ -50,9 +51,17 @@ def test_layout_shares_each_prompt_once_and_keeps_positions():
     assert lay.row.tolist() == [0, 0, 1] and lay.slot.tolist() == [0, 1, 0]
 
 
+@pytest.fixture(params=["matmul", "sdpa"])
+def products(request, monkeypatch):
+    """Both ways the kernel computes its two products: matmuls + fp32 softmax (short keys), and fused
+    SDPA (long keys) — forced here by moving the threshold, so both run on the same short case."""
+    monkeypatch.setattr(prefix_attention, "SDPA_FROM", 10**9 if request.param == "matmul" else 1)
+    return request.param
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # GQA (tiny-30m-like heads) and q/k/v biases (qwen2)
 @pytest.mark.parametrize("amp", [False, True])
-def test_shared_prefix_forward_equals_the_padded_one(tokenizer, arch, amp):
+def test_shared_prefix_forward_equals_the_padded_one(tokenizer, arch, amp, products):
     """Logits and every parameter's gradient equal the padded forward's, in fp32 and under bf16 autocast."""
     model = build_tiny("tiny-4m", vocab_size=len(tokenizer), arch=arch, seed=1, max_seq_len=64,
                        pad_token_id=PAD, eos_token_id=tokenizer.eos_token_id)
@@ -87,7 +96,7 @@ def test_shared_prefix_forward_equals_the_padded_one(tokenizer, arch, amp):
     assert model.config._attn_implementation == "eager"  # switched back after the forward
 
 
-def test_kernel_is_what_runs_and_slots_never_see_each_other(tokenizer):
+def test_kernel_is_what_runs_and_slots_never_see_each_other(tokenizer, products):
     """Changing one completion's tokens leaves every other completion's logits bitwise unchanged —
     which a mask that let slots see their left neighbours would break — and the kernel is the one called."""
     model = build_tiny("tiny-1m", vocab_size=len(tokenizer), seed=0, max_seq_len=64, pad_token_id=PAD)

@@ -1,0 +1,94 @@
+"""The shared-prefix attention kernel's two ways of computing its products, side by side: matmuls with a
+kept fp32 softmax, and fused SDPA under a boolean mask (posttrain/models/prefix_attention.py).
+
+One attention call, forward + backward, bf16, the shapes of tiny-30m (8 query heads, 4 KV heads, head
+dim 64): GRPO groups (2 rows × G 8, 16-token prompt, N-token slots) and DPO pairs (8 pairs as groups of
+two). Times: CPU seconds, the median of `--reps` calls, the two ways interleaved in one process. Memory:
+the peak resident set each way adds, each measured in its own subprocess (`--memory`).
+
+    python benchmarks/prefix_attention.py --threads 1 --reps 5 --memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from posttrain.models import prefix_attention
+
+HQ, HKV, D = 8, 4, 64
+SHAPES = [  # (label, rows, slots, prefix, slot length)
+    ("grpo N=32", 2, 8, 16, 32), ("grpo N=128", 2, 8, 16, 128), ("grpo N=192", 2, 8, 16, 192),
+    ("grpo N=240", 2, 8, 16, 240), ("grpo N=512", 2, 8, 16, 512),
+    ("dpo 64", 8, 2, 16, 48), ("dpo 192", 8, 2, 48, 144), ("dpo 256", 8, 2, 64, 192), ("dpo 1024", 8, 2, 256, 768),
+]
+
+
+class _Module:
+    training = False
+
+
+def call(way: str, rows: int, slots: int, prefix: int, n: int, reps: int = 1) -> list[float]:
+    """CPU seconds of `reps` forward + backward calls, `way` forced through the threshold."""
+    prefix_attention.SDPA_FROM = 1 if way == "sdpa" else 10**9
+    width = prefix + slots * n
+    mk = lambda h: torch.randn(rows, h, width, D, dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = mk(HQ), mk(HKV), mk(HKV)
+    mask = torch.ones(rows, 1, 1, width, dtype=torch.bool)
+    out = []
+    for _ in range(reps):
+        t0 = time.process_time()
+        o, _ = prefix_attention.shared_prefix_attention(_Module(), q, k, v, mask, D**-0.5, prefix_len=prefix, slots=slots)
+        o.float().sum().backward()
+        out.append(time.process_time() - t0)
+        q.grad = k.grad = v.grad = None
+    return out
+
+
+def _high_water_kib() -> int:
+    """This process's peak resident set (VmHWM, KiB). Not `ru_maxrss`: Linux carries that over from the
+    parent across fork + exec, so a child of a large parent would read the parent's peak."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--memory", action="store_true", help="also the peak memory each way adds (subprocesses)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: "way,rows,slots,prefix,n" → peak MiB added
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    if a.one:
+        way, *dims = a.one.split(",")
+        base = _high_water_kib()
+        call(way, *map(int, dims))
+        print(json.dumps((_high_water_kib() - base) / 1024))
+        return
+    print(f"| shape | keys per slot query | matmul ms | sdpa ms | matmul / sdpa |" + (" peak MiB matmul / sdpa |" if a.memory else ""))
+    print("|---|---|---|---|---|" + ("---|" if a.memory else ""))
+    for label, rows, slots, prefix, n in SHAPES:
+        times: dict[str, list[float]] = {"matmul": [], "sdpa": []}
+        call("matmul", rows, slots, prefix, n)  # warm-up
+        for rep in range(a.reps):
+            for way in (("matmul", "sdpa") if rep % 2 == 0 else ("sdpa", "matmul")):
+                times[way] += call(way, rows, slots, prefix, n)
+        mm, sd = (statistics.median(times[w]) * 1e3 for w in ("matmul", "sdpa"))
+        row = f"| {label} | {prefix + n} | {mm:.1f} | {sd:.1f} | {mm / sd:.2f} |"
+        if a.memory:
+            mem = [json.loads(subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--one",
+                                              f"{w},{rows},{slots},{prefix},{n}"], capture_output=True, text=True,
+                                             check=True).stdout) for w in ("matmul", "sdpa")]
+            row += f" {mem[0]:.0f} / {mem[1]:.0f} |"
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
