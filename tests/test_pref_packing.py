@@ -11,6 +11,7 @@ from posttrain.stages._packing import (
     first_fit,
     pack_pairs,
     pair_logps,
+    pair_logps_blocks,
     sequence_logps,
     sequence_logps_padded,
 )
@@ -44,7 +45,7 @@ def test_packed_sequences_match_the_padded_forward(setup, length_normalized):
     torch.testing.assert_close(packed, naive, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("row_len", [1, 192])  # one pair per row, and several pairs per row
+@pytest.mark.parametrize("row_len", [1, 192])  # every pair longer than a row (the block kernel), and packed rows
 def test_shared_prompt_pairs_match_the_padded_forward(setup, row_len):
     model, pairs, pad = setup
     naive_a = sequence_logps_padded(model, [p.chosen for p in pairs], pad, length_normalized=False)
@@ -54,7 +55,8 @@ def test_shared_prompt_pairs_match_the_padded_forward(setup, row_len):
     torch.testing.assert_close(b, naive_b, rtol=0, atol=1e-4)
 
 
-def test_shared_prompt_gradients_match_the_padded_forward(setup):
+@pytest.mark.parametrize("row_len", [1, 192])
+def test_shared_prompt_gradients_match_the_padded_forward(setup, row_len):
     model, pairs, pad = setup
     subset = pairs[:4]
 
@@ -66,7 +68,8 @@ def test_shared_prompt_gradients_match_the_padded_forward(setup):
 
     naive = grads(lambda: (sequence_logps_padded(model, [p.chosen for p in subset], pad, length_normalized=False),
                            sequence_logps_padded(model, [p.rejected for p in subset], pad, length_normalized=False)))
-    shared = grads(lambda: pair_logps(model, [(p.chosen, p.rejected) for p in subset], pad, length_normalized=False))
+    shared = grads(lambda: pair_logps(model, [(p.chosen, p.rejected) for p in subset], pad, length_normalized=False,
+                                      row_len=row_len))
     for g_naive, g_shared in zip(naive, shared):
         torch.testing.assert_close(g_shared, g_naive, rtol=1e-3, atol=1e-5)
     model.zero_grad()
@@ -82,3 +85,15 @@ def test_the_second_reply_never_sees_the_first():
     assert pk.source[0].tolist() == [0, 0, 1, 2, 1]  # token 5 is predicted from the prompt's last position (1)
     with pytest.raises(ValueError, match="does not share its prompt tokens"):
         pack_pairs([(a, EncodedCompletion([9, 2, 5], [-100, -100, 5], prompt_len=2))], pad_id=0, row_len=8)
+
+
+def test_block_pairs_length_normalized_and_a_shared_prompt_across_pairs(setup):
+    """The block path's means equal the padded forward's; two pairs with one prompt share one row."""
+    model, pairs, pad = setup
+    twice = pairs[:3] + [pairs[2]]  # pairs 2 and 3 have the same prompt: one row of 4 slots
+    naive_a = sequence_logps_padded(model, [p.chosen for p in twice], pad, length_normalized=True)
+    naive_b = sequence_logps_padded(model, [p.rejected for p in twice], pad, length_normalized=True)
+    a, b = pair_logps_blocks(model, [(p.chosen, p.rejected) for p in twice], pad, length_normalized=True)
+    # means of ~-6 log-probs: fp32 rounding ~1e-6; a slot seeing its neighbour would move them by > 0.01
+    torch.testing.assert_close(a, naive_a, rtol=0, atol=1e-5)
+    torch.testing.assert_close(b, naive_b, rtol=0, atol=1e-5)

@@ -21,7 +21,10 @@ each exact up to float rounding (tests/test_pref_packing.py checks both against 
 
 Cost notes: in 1 and 2 attention is dense within a row (≤ row_len² per head), a small price next to the
 matmuls saved at these lengths; the 4-D boolean mask is (R, 1, W, W). With G slots that price grows as
-G² (measured: no net gain at G = 8), hence the block kernel of 3.
+G² (measured: no net gain at G = 8), hence the block kernel of 3 — which 2 also takes for pairs longer
+than a row (`pair_logps_blocks`: a pair is a group of two; measured, tiny-30m bf16 forward + backward of
+8 pairs of 64 + 192 + 192 tokens, 1 thread: 5.39 s against 6.76 for the dense mask through SDPA and 6.83
+for the 16 padded sequences; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch import Tensor
 from posttrain.data import EncodedCompletion, collate_sft
 from posttrain.losses import sequence_logprob_mean, sequence_logprob_sum, token_logprobs
 from posttrain.models.prefix_attention import shared_prefix
+from posttrain.rollout.text import positions_from_mask
 
 
 def sequence_logps_padded(model, seqs: list[EncodedCompletion], pad_id: int, *, length_normalized: bool) -> Tensor:
@@ -190,7 +194,14 @@ def custom_mask(model, allowed: Tensor) -> Tensor:
 
 def pair_logps(model, pairs: list[tuple[EncodedCompletion, EncodedCompletion]], pad_id: int, *,
                length_normalized: bool, row_len: int = 192) -> tuple[Tensor, Tensor]:
-    """log π of both replies of each pair, from one shared-prompt forward. Shapes: (B,), (B,)."""
+    """log π of both replies of each pair, from one shared-prompt forward. Shapes: (B,), (B,).
+
+    Pairs that fit several to a row (short pairs, ≤ `row_len` tokens) are packed under a dense mask
+    (`pack_pairs`); when every pair is longer — each would be alone in its row anyway — the pairs go
+    through the shared-prefix kernel instead (`pair_logps_blocks`), which computes only the attention
+    blocks each reply reads and holds no W × W mask."""
+    if min(len(a.input_ids) + len(b.input_ids) - a.prompt_len for a, b in pairs) > row_len:
+        return pair_logps_blocks(model, pairs, pad_id, length_normalized=length_normalized)
     device = next(model.parameters()).device
     pk = PackedPairs(*(t.to(device) for t in pack_pairs(pairs, pad_id, row_len)))
     logits = model(input_ids=pk.input_ids, position_ids=pk.position_ids, attention_mask=custom_mask(model, pk.attention),
@@ -200,6 +211,35 @@ def pair_logps(model, pairs: list[tuple[EncodedCompletion, EncodedCompletion]], 
     picked = logits[rows, pk.source]  # (R, W, V): the logits that predict each position
     logps = token_logprobs(picked, pk.targets.clamp_min(0))  # (R, W)
     both = _reduce(logps, keep, pk.segment, 2 * len(pairs), length_normalized)  # (2B,) a0, b0, a1, b1, …
+    return both[0::2], both[1::2]
+
+
+def pair_logps_blocks(model, pairs: list[tuple[EncodedCompletion, EncodedCompletion]], pad_id: int, *,
+                      length_normalized: bool) -> tuple[Tensor, Tensor]:
+    """`pair_logps` as a group of two: each pair's replies are the two slots of one [prompt | a | b] row
+    of `shared_prompt_logits` (prompts left-padded to the longest, replies right-padded), consecutive
+    pairs with the same prompt sharing one row. Shapes: (B,), (B,)."""
+    device = next(model.parameters()).device
+    p = max(a.prompt_len for a, _ in pairs)
+    n = max(len(x.input_ids) - x.prompt_len for pair in pairs for x in pair)
+    shape = (2 * len(pairs), p + n)
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    real = torch.zeros(shape, dtype=torch.bool)
+    targets = torch.full((shape[0], n), -100, dtype=torch.long)   # (2B, N): reply token t's label
+    for k, (a, b) in enumerate(pairs):
+        if b.prompt_len != a.prompt_len or a.input_ids[: a.prompt_len] != b.input_ids[: b.prompt_len]:
+            raise ValueError(f"pair_logps: pair {k} ({a.origin or 'no origin'}) does not share its prompt tokens")
+        for j, x in enumerate((a, b)):
+            r, q, m = 2 * k + j, x.prompt_len, len(x.input_ids) - x.prompt_len
+            ids[r, p - q : p + m] = torch.tensor(x.input_ids)
+            real[r, p - q : p + m] = True
+            targets[r, :m] = torch.tensor(x.labels[q:])
+    ids, real, targets = ids.to(device), real.to(device), targets.to(device)
+    logits = shared_prompt_logits(model, ids, real, positions_from_mask(real), p, pad_id)  # (2B, N, V)
+    keep = targets != -100
+    logps = token_logprobs(logits, targets.clamp_min(0))  # (2B, N)
+    segment = torch.arange(shape[0], device=device)[:, None].expand_as(targets)
+    both = _reduce(logps, keep, segment, shape[0], length_normalized)  # (2B,) a0, b0, a1, b1, …
     return both[0::2], both[1::2]
 
 
