@@ -24,7 +24,6 @@ import contextlib
 import io
 import itertools
 import json
-import resource
 import statistics
 import sys
 import tempfile
@@ -36,7 +35,10 @@ BETA, LR = 0.1, 1e-6
 
 
 def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork + exec, so a side
+    # started by a larger driver would read the driver's peak
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
 
 
 def write_pairs(path: Path, tokenizer, *, length: int, n: int, seed: int = 0) -> dict[str, float]:

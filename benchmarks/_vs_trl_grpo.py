@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,10 @@ PAIRS = {"posttrain-fp32": ("trl-fp32", "trl-defaults"), "posttrain-bf16": ("trl
 
 
 def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork + exec, so a side
+    # started by a larger driver would read the driver's peak
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
 
 
 def prepare(folder: Path, *, problems: int = 512, max_seq_len: int = 160) -> tuple[Path, Path]:

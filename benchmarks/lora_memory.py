@@ -9,7 +9,7 @@ would read the larger), driving the real `grpo` stage (`posttrain.stages.grpo.ru
 2-digit additions ("reply with the number only") with the `math` verifier and a KL term (kl_coef > 0,
 so the reference is used: a second copy of the weights under full fine-tuning, the same weights with
 the adapters disabled under LoRA). Both sides use the same seed, prompts, group size, token budget,
-thread count and dtype (fp32). Printed per side: peak RSS of the stage's process over the whole run (`ru_maxrss`:
+thread count and dtype (fp32). Printed per side: peak RSS of the stage's process over the whole run (`VmHWM`:
 loading, rollouts, reference, updates), trainable parameters, the rollout engine's kernels, and
 seconds per rollout (generate + score + reference + update + weight refresh); then the ratios.
 The math verifier's worker processes are not counted (their RSS is the same for both sides).
@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork + exec, so a side
+    # started by a larger driver would read the driver's peak
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
 
 
 def problems_file(folder: Path, n: int, seed: int) -> Path:

@@ -5,7 +5,7 @@
     python benchmarks/scaling.py --only grpo --cases tiny-30m@32 smollm2@64+lora
 
 One invocation runs every case; in each case every side runs in its own subprocess (so its peak RSS,
-`ru_maxrss`, is its own), and the order of the sides alternates from case to case so a slow drift of a
+`VmHWM`, is its own), and the order of the sides alternates from case to case so a slow drift of a
 shared machine hits both. A side's step time is the median over `--steps` measured steps after one
 warm-up step, in wall seconds and in process CPU seconds (the figure to read when other jobs share the
 cores, with one thread).
