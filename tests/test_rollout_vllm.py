@@ -16,6 +16,7 @@ from posttrain.rollout.sampling import SamplingParams
 from posttrain.rollout.vllm_backend import (
     VLLMEngine,
     completion_tensors,
+    env_llm_kwargs,
     llm_kwargs,
     sampling_kwargs,
     sampling_logprobs,
@@ -44,6 +45,19 @@ def test_llm_kwargs():
     with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
         llm_kwargs("/m", tokenizer=False, dtype="auto", gpu_memory_utilization=1.5, enable_prefix_caching=True,
                    sleep_mode=False, seed=None)
+
+
+def test_env_llm_kwargs(monkeypatch):
+    monkeypatch.delenv("POSTTRAIN_VLLM_ARGS", raising=False)
+    assert env_llm_kwargs() == {}
+    monkeypatch.setenv("POSTTRAIN_VLLM_ARGS", '{"enforce_eager": true, "max_model_len": 1024}')
+    assert env_llm_kwargs() == {"enforce_eager": True, "max_model_len": 1024}
+    monkeypatch.setenv("POSTTRAIN_VLLM_ARGS", "[1]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        env_llm_kwargs()
+    monkeypatch.setenv("POSTTRAIN_VLLM_ARGS", "{enforce_eager}")
+    with pytest.raises(ValueError, match="not JSON"):
+        env_llm_kwargs()
 
 
 def test_sampling_kwargs():

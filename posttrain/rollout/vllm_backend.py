@@ -33,6 +33,7 @@ Departures from the other backends (numbered):
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ from posttrain.rollout.text import StopStrings, encode_prompts, left_pad
 from posttrain.telemetry import costs
 
 ENV_IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+ENV_ARGS = "POSTTRAIN_VLLM_ARGS"  # more vllm.LLM arguments, a JSON object (env_llm_kwargs)
 # Where the worker's model lives in an in-process engine, by vLLM version (first match wins)
 WORKER_MODEL_PATHS = (
     "llm_engine.model_executor.driver_worker.worker.model_runner.model",  # V1, in-process (≥ 0.8)
@@ -77,6 +79,22 @@ def llm_kwargs(path: str, *, tokenizer: bool, dtype: str, gpu_memory_utilization
         out["seed"] = seed
     out.update(extra)
     return out
+
+
+def env_llm_kwargs() -> dict[str, Any]:
+    """More `vllm.LLM` arguments from `POSTTRAIN_VLLM_ARGS`, a JSON object — how a recipe's run passes e.g.
+    `{"enforce_eager": true, "max_model_len": 1024, "gpu_memory_utilization": 0.3}` (a stage builds its
+    engine with no backend options)."""
+    raw = os.environ.get(ENV_ARGS, "").strip()
+    if not raw:
+        return {}
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{ENV_ARGS}={raw!r}: not JSON ({e.msg}); expected an object of vllm.LLM arguments") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{ENV_ARGS}={raw!r}: expected a JSON object of vllm.LLM arguments")
+    return obj
 
 
 def sampling_kwargs(params: SamplingParams, eos_ids: Sequence[int]) -> dict[str, Any]:
@@ -165,7 +183,7 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, model: nn.Module | str | Path, tokenizer: PreTrainedTokenizerBase | None = None, *,
-                 gpu_memory_utilization: float = 0.5, dtype: str = "auto", enable_prefix_caching: bool = True,
+                 gpu_memory_utilization: float | None = None, dtype: str = "auto", enable_prefix_caching: bool = True,
                  eos_token_ids: Sequence[int] | None = None, sleep_mode: bool = True, sleep_level: int = 1,
                  seed: int | None = None, **llm_kwargs_extra: Any):
         try:
@@ -188,10 +206,12 @@ class VLLMEngine:
         else:
             path, source = str(model), None
         self._setup(tokenizer, source, path, eos_token_ids, sleep_mode, sleep_level)
+        extra = {**env_llm_kwargs(), **llm_kwargs_extra}  # the caller's arguments over the environment's
+        gpu_memory_utilization = float(extra.pop("gpu_memory_utilization", gpu_memory_utilization or 0.5))
         self.llm = vllm.LLM(**llm_kwargs(path, tokenizer=tokenizer is not None or source is None, dtype=dtype,
                                          gpu_memory_utilization=gpu_memory_utilization,
                                          enable_prefix_caching=enable_prefix_caching, sleep_mode=sleep_mode,
-                                         seed=seed, **llm_kwargs_extra))
+                                         seed=seed, **extra))
 
     def _setup(self, tokenizer: PreTrainedTokenizerBase | None, source: nn.Module | None, path: str,
                eos_token_ids: Sequence[int] | None, sleep_mode: bool, sleep_level: int) -> None:
