@@ -13,7 +13,8 @@ a run folder (metrics.jsonl, phases.jsonl, device.json) — nothing is computed 
 - sync: bytes pushed per sync (the phase's declared bytes) and seconds per sync;
 - the sampler/learner log-prob mismatch: the mean over steps of every metric whose name says it
   (`clip/approx_kl` — with μ = 1 the ratio is learner over sampler log-probs on the same samples —
-  `clip/ratio_max`, and any key holding "mismatch", "importance", "tis" or "staleness");
+  `clip/ratio_max`, and any key holding "mismatch", "offpolicy", "importance", "tis" or "staleness": the
+  asynchronous GRPO logs `mismatch/kl`, `mismatch/logprob_abs_mean` and `offpolicy/…` in every run);
 - per worker (posttrain.telemetry.lanes): busy fraction over the stage's span;
 - the async/sync ratio of the median step times.
 """
@@ -31,7 +32,7 @@ from posttrain.report.run_data import load_run
 from posttrain.report.summaries import phase_rows
 from posttrain.telemetry.lanes import stage_lanes
 
-MISMATCH = re.compile(r"approx_kl|ratio_max|mismatch|importance|(^|/)tis|staleness")
+MISMATCH = re.compile(r"approx_kl|ratio_max|mismatch|offpolicy|importance|(^|/)tis|staleness")
 STAGE = "grpo"
 
 
