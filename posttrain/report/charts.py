@@ -232,8 +232,9 @@ def workers_figure(lanes: Lanes, step: int, names: Sequence[str] = ()) -> Figure
                               + "<br>from %{customdata[1]:.3f} s, %{x:.3f} s long<extra>%{y}</extra>"),
         })
     rows = [labels[lane.worker] for lane in lanes.lanes]
-    layout = _layout(height=90 + 44 * len(rows), barmode="overlay", bargap=0.25,
-                     margin={"l": 150, "r": 16, "t": 16, "b": 44},
+    layout = _layout(height=100 + 44 * len(rows), barmode="overlay", bargap=0.25,
+                     margin={"l": 150, "r": 16, "t": 34, "b": 44},
+                     legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom", "font": {"size": 11}},
                      xaxis=_axis(title={"text": f"seconds into step {step}'s window ({lanes.seconds:.3g} s: its first "
                                                 "phase to the next step's first), real start times"},
                                  range=[0, lanes.seconds]),
