@@ -56,7 +56,8 @@ def test_the_vllm_backend_implements_the_whole_protocol():
     # sets every field (read from the source: a field missing there would fail a stage on the GPU)
     for m in PROTOCOL_METHODS:
         assert callable(getattr(VLLMEngine, m, None)), m
-    init = inspect.getsource(VLLMEngine.__init__)
+    init = inspect.getsource(VLLMEngine.__init__) + inspect.getsource(VLLMEngine._setup)  # __init__ calls _setup
+    assert "self._setup(" in inspect.getsource(VLLMEngine.__init__)
     assert VLLMEngine.name == "vllm"
     for field in ("pad_id", "eos_ids", "config"):
         assert re.search(rf"self\.{field}\s*=", init), field

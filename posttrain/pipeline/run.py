@@ -51,6 +51,7 @@ from posttrain.stages._constitution import produced_paths as constitution_output
 from posttrain.stages.constitutional_rl import run_constitutional_rl
 from posttrain.stages.constitutional_sl import run_constitutional_sl
 from posttrain.telemetry import JsonlSink, MetricSink, Telemetry
+from posttrain.telemetry.ranks import RankTelemetry
 from posttrain.telemetry.revision import Announcer
 
 STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft": run_sft, "grpo": run_grpo,
@@ -267,7 +268,9 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
 
     t0 = time.perf_counter()
     tc = recipe.telemetry
-    telemetry = Telemetry.disabled()  # ranks other than 0 record no phases (rank 0's timeline is the run's)
+    # ranks other than 0 time their phases in memory; rank 0 gathers them at each logged step (ctx.log)
+    telemetry: Telemetry = Telemetry.disabled() if ranks.is_main else RankTelemetry(
+        rank=ranks.rank, started=t0, device=device, dtype="bf16" if recipe.dtype == "bf16" else "fp32")
     sink: MetricSink = NullSink()
     if ranks.is_main:
         telemetry = Telemetry.open(run_dir, device=device, dtype=torch.bfloat16 if recipe.dtype == "bf16" else torch.float32,

@@ -14,6 +14,7 @@ from typing import Any
 from posttrain.report._format import si
 from posttrain.report.curves import Curve
 from posttrain.report.summaries import EvalTable, RLIteration, StageSummary
+from posttrain.telemetry.lanes import IDLE, Lane, Lanes
 from posttrain.worlds.arithmetic import LEVELS
 
 Figure = dict[str, Any]
@@ -193,6 +194,51 @@ def projection_figure(it: RLIteration, ratios: Sequence[float], u: Sequence[floa
                      yaxis=_axis(title={"text": "%"}, rangemode="tozero", ticksuffix="%"),
                      legend={"orientation": "h", "y": -0.32, "x": 0, "font": {"size": 11}},
                      margin={"l": 56, "r": 16, "t": 22, "b": 44})
+    return {"data": data, "layout": layout}
+
+
+# ---- one RL iteration, one lane per worker ----------------------------------------------------------------
+
+IDLE_COLOR = "#dee2e6"
+
+
+def lane_label(lane: Lane) -> str:
+    """The y tick of a lane: the worker and its busy fraction of the window, e.g. "rollout0 · 50% busy"."""
+    return f"{lane.worker} · {100 * lane.fraction:.0f}% busy"
+
+
+def workers_figure(lanes: Lanes, step: int, names: Sequence[str] = ()) -> Figure:
+    """Step `step` by real start time: one row per worker (learner, ranks, rollout workers), each phase a
+    bar from its start, the gaps drawn as `idle` — in sync RL one worker idles while the other works; in
+    async RL they overlap."""
+    order = list(names) or list(dict.fromkeys(s.name for lane in lanes.lanes for s in lane.spans))
+    labels = {lane.worker: lane_label(lane) for lane in lanes.lanes}
+    by_name: dict[str, list[tuple[Lane, Any]]] = {}
+    for lane in lanes.lanes:
+        for span in lane.spans:
+            by_name.setdefault(span.name, []).append((lane, span))
+    data = []
+    for name, items in sorted(by_name.items(), key=lambda kv: kv[0] == IDLE):  # idle last in the legend
+        idle = name == IDLE
+        data.append({
+            "type": "bar", "orientation": "h", "name": name,
+            "y": [labels[lane.worker] for lane, _ in items],
+            "x": [span.seconds for _, span in items], "base": [span.x0 - lanes.start for _, span in items],
+            "marker": {"color": IDLE_COLOR if idle else phase_color(name, order),
+                       "line": {"color": "#fff", "width": 1},
+                       **({"pattern": {"shape": "/", "fgcolor": "#adb5bd", "size": 6}} if idle else {})},
+            "customdata": [[span.step, span.x0 - lanes.start] for _, span in items],
+            "hovertemplate": (f"<b>{name}</b>" + ("" if idle else " (step %{customdata[0]})")
+                              + "<br>from %{customdata[1]:.3f} s, %{x:.3f} s long<extra>%{y}</extra>"),
+        })
+    rows = [labels[lane.worker] for lane in lanes.lanes]
+    layout = _layout(height=100 + 44 * len(rows), barmode="overlay", bargap=0.25,
+                     margin={"l": 150, "r": 16, "t": 34, "b": 44},
+                     legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom", "font": {"size": 11}},
+                     xaxis=_axis(title={"text": f"seconds into step {step}'s window ({lanes.seconds:.3g} s: its first "
+                                                "phase to the next step's first), real start times"},
+                                 range=[0, lanes.seconds]),
+                     yaxis=_axis(categoryorder="array", categoryarray=rows[::-1], type="category"))
     return {"data": data, "layout": layout}
 
 

@@ -210,6 +210,22 @@ def _projection_data(it: RLIteration, peak_known: bool) -> dict[str, Any]:
                        for p in it.pooled.phases]}
 
 
+def _lanes_sentence(it: RLIteration) -> str:
+    """Each worker's busy fraction of the drawn step's window and of the whole stage, in words."""
+    if it.lanes is None:
+        return ""
+    whole = {lane.worker: lane.fraction for lane in it.stage_lanes.lanes} if it.stage_lanes else {}
+    parts = [f"<b>{e(lane.worker)}</b> {pct(lane.fraction)}"
+             + (f" (stage average {pct(whole[lane.worker])})" if lane.worker in whole else "")
+             for lane in it.lanes.lanes]
+    one = len(it.lanes.lanes) == 1
+    return (f"The same step by real start time over its window of {duration(it.lanes.seconds)} (its first phase "
+            f"to the next step's first), one row per worker, gaps drawn as <em>idle</em>. Busy: {', '.join(parts)}. "
+            + ("One worker: the gaps are host time between its phases." if one else
+               "In synchronous RL one worker idles while another works (busy fractions summing to about 1 per "
+               "pair); run asynchronously they overlap."))
+
+
 def _rl_block(j: int, it: RLIteration, run: RunData, figs: dict[str, Any], projections: list[Any], names: list[str]) -> str:
     pf, pb = run.peak_flops, run.peak_bytes_per_s
     measured = it.pooled.rollout_update_ratio or 1.0
@@ -218,6 +234,11 @@ def _rl_block(j: int, it: RLIteration, run: RunData, figs: dict[str, Any], proje
     records = [r for r in run.stage_phases(it.stage) if r.name not in EVAL_PHASES]
     proj = gap(records, peak_flops=pf, peak_bytes_per_s=pb, ratios=SLIDER_RATIOS).projections
     figs[f"timeline-{j}"] = charts.timeline_figure(it)
+    workers = ""
+    if it.lanes is not None:
+        figs[f"workers-{j}"] = charts.workers_figure(it.lanes, it.step, names)
+        workers = (f'<h4>Step {it.step} by worker</h4><p class="lede">{_lanes_sentence(it)}</p>'
+                   f'<div class="chart" id="workers-{j}" data-fig="workers-{j}"></div>')
     figs[f"projection-{j}"] = charts.projection_figure(it, SLIDER_RATIOS, [p.utilization for p in proj],
                                                        [p.busy for p in proj], initial)
     projections.append(_projection_data(it, pf is not None))
@@ -230,7 +251,7 @@ def _rl_block(j: int, it: RLIteration, run: RunData, figs: dict[str, Any], proje
     lo, hi = SLIDER_RATIOS[0], SLIDER_RATIOS[-1]
     ticks = "".join(f'<span style="left:{100 * (r - lo) / (hi - lo):.2f}%">{r}:1</span>' for r in (1, 5, 10, 15, 20))
     return (f'<div class="rl" data-rl="{j}"><h3>{e(it.stage)}</h3><p class="lede">{facts}.</p>'
-            f'<div class="chart" id="timeline-{j}" data-fig="timeline-{j}"></div>'
+            f'<div class="chart" id="timeline-{j}" data-fig="timeline-{j}"></div>{workers}'
             f'<div class="rl-grid"><div class="slider-box"><div class="slider-head">'
             f'<label for="ratio-{j}">rollout : update time ratio</label>'
             f'<output id="ratio-out-{j}" class="big">{initial}:1</output>'

@@ -25,6 +25,10 @@ Departures:
    after its parent rather than inside it.
 2. The projection pools every step of the stage (not the one drawn) so a single noisy step does not
    set the slider's numbers; the page says how many steps it pooled.
+3. Beside that end-to-end view, the same step by real start time, one lane per worker
+   (`posttrain.telemetry.lanes`): idle gaps drawn, each worker's busy fraction of the step's window
+   and of the whole stage. A one-process run has one lane, `main`, whose gaps are host time between
+   phases.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 
 from posttrain.report.run_data import BASE, RunData, StageInfo
 from posttrain.telemetry.gap import DEFAULT_RATIOS, UPDATE_PHASES, Gap, gap
+from posttrain.telemetry.lanes import Lanes, stage_lanes, step_lanes
 from posttrain.telemetry.phases import PhaseRecord
 from posttrain.telemetry.roofline import place
 
@@ -195,6 +200,10 @@ class RLIteration:
     cycle: Gap                  # gap of the drawn cycle (its averages)
     pooled: Gap                 # gap over the stage's non-eval phases: the projection's input
     pooled_steps: int
+    # the same step by real start time, one lane per worker (learner, ranks, rollout workers) with its
+    # idle gaps, over the step's window (posttrain.telemetry.lanes); and each worker's stage average
+    lanes: Lanes | None = None
+    stage_lanes: Lanes | None = None
 
 
 def _is_rl(records: Sequence[PhaseRecord]) -> bool:
@@ -226,7 +235,8 @@ def rl_iteration(run: RunData, stage: str, *, ratios: Sequence[float] = DEFAULT_
     return RLIteration(stage=stage, step=step, segments=segments,
                        cycle=gap(recs, peak_flops=pf, peak_bytes_per_s=pb, ratios=ratios),
                        pooled=gap(work, peak_flops=pf, peak_bytes_per_s=pb, ratios=ratios),
-                       pooled_steps=len({r.step for r in work}))
+                       pooled_steps=len({r.step for r in work}),
+                       lanes=step_lanes(work, step), stage_lanes=stage_lanes(work))
 
 
 def rl_iterations(run: RunData) -> list[RLIteration]:

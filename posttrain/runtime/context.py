@@ -25,6 +25,7 @@ from posttrain.rollout.cpu import fused_unsupported_reason
 from posttrain.telemetry import MetricSink, Telemetry
 from posttrain.telemetry.costs import Cost
 from posttrain.telemetry.phases import MAIN_WORKER
+from posttrain.telemetry.ranks import gather_phases
 from posttrain.tasks import EvalRequest, Task, TaskSet, build_task
 from posttrain.tasks.verified import JsonlTask
 
@@ -113,7 +114,11 @@ class RunContext:
             yield p
 
     def log(self, stage: str, step: int, metrics: dict[str, Any]) -> None:
-        """One metrics.jsonl record: the stage's own metrics plus this step's phase aggregates."""
+        """One metrics.jsonl record: the stage's own metrics plus this step's phase aggregates.
+
+        Data-parallel: every rank calls it at the same steps — it gathers the other ranks' phases to rank 0
+        (one collective, a sync point: posttrain/telemetry/ranks.py) before folding the step's phases."""
+        gather_phases(self.telemetry, rank=self.ranks.rank, world_size=self.ranks.world_size)
         record = {"stage": stage, "step": step, "time": round(time.perf_counter() - self.t0, 3)}
         record.update(metrics)
         record.update(self.telemetry.step_metrics(stage=stage, step=step))

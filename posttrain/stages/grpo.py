@@ -462,10 +462,12 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                             weights=t.model, optimizer=t.optimizer, engine=engine,
                             reference=ref.model if ref is not None and not ref.shared else None))
                 metrics["train/seconds_per_rollout"] = time.perf_counter() - t0
-                if cfg.eval_every and ctx.ranks.is_main and (step % cfg.eval_every == 0 or step == cfg.steps):
+                evaluates = bool(cfg.eval_every and ctx.recipe.evals) and (step % cfg.eval_every == 0 or step == cfg.steps)
+                if evaluates and ctx.ranks.is_main:
                     with ctx.phase("eval", stage=stage, step=step):
                         metrics.update(greedy_eval(ctx, t.model, cfg.eval_problems))
-                if (step // cfg.mu) % cfg.log_every == 0 or step == cfg.steps or any(k.startswith("eval/") for k in metrics):
+                # the same steps on every rank (ctx.log is a collective there)
+                if (step // cfg.mu) % cfg.log_every == 0 or step == cfg.steps or evaluates:
                     ctx.log(stage, step, metrics)
                 bar.update(task, completed=t.step, info=f"reward {metrics.get('reward/total', float('nan')):.3f}  "
                                                        f"pass {metrics['reward/pass_rate']:.2f}")

@@ -144,10 +144,11 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
             metrics = {"loss/sft": total, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0],
                        "train/tokens_per_s": padded / (time.perf_counter() - t0),
                        "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch, **t.guard.metrics()}
-            if val and ranks.is_main and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps):
+            evaluates = bool(val) and bool(cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps)
+            if evaluates and ranks.is_main:
                 with ctx.phase("eval", stage=cfg.folder, step=step):
                     metrics["eval/loss"] = heldout_loss(t.model, val, tok.pad_token_id)
-            if step % cfg.log_every == 0 or "eval/loss" in metrics:
+            if step % cfg.log_every == 0 or evaluates:  # the same steps on every rank: ctx.log is a collective
                 ctx.log(cfg.folder, step, metrics)
             bar.update(task, completed=step, info=f"loss {total:.3f}  {metrics['train/tokens_per_s']:,.0f} tok/s")
             if step % cfg.save_every == 0 and step < cfg.steps:

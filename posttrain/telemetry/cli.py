@@ -20,7 +20,8 @@ from posttrain.telemetry.devices import (
     missing_peaks_message,
 )
 from posttrain.telemetry.gap import gaps_by_stage
-from posttrain.telemetry.phases import read_phases
+from posttrain.telemetry.lanes import stage_lanes
+from posttrain.telemetry.phases import PhaseRecord, read_phases
 from posttrain.telemetry.revision import net, recorded, revise
 from posttrain.telemetry.roofline import place, ridge_point
 
@@ -162,5 +163,26 @@ def phases_command(run_dir: Path, *, console: Console | None = None) -> None:
             for p in g.projections:
                 proj.add_row(f"{p.ratio:g}:1", _frac(p.utilization), _frac(p.busy))
             console.print(proj)
+        split = worker_split(stage, [r for r in records if r.stage == stage])
+        if split is not None:
+            console.print(split)
     if not wide:
         console.print(f"[dim]{NARROW_LEGEND}[/dim]")
+
+
+def worker_split(stage: str, records: list[PhaseRecord]) -> Table | None:
+    """The stage's per-worker split (`posttrain.telemetry.lanes`): each worker's seconds per phase, busy
+    and idle time and busy fraction over the stage's span (first phase start → last end), `eval` left out
+    (measurement, run by the main process between stages). None when the stage has no other phase."""
+    whole = stage_lanes([r for r in records if r.name != "eval"])
+    if whole is None:
+        return None
+    names = list(dict.fromkeys(n for lane in whole.lanes for n in lane.seconds_by_phase()))
+    table = Table(title=f"stage {stage} by worker, over its {whole.seconds:.2f} s span (real start times)")
+    for col in ("worker", *names, "busy s", "idle s", "busy"):
+        table.add_column(col, justify="left" if col == "worker" else "right", no_wrap=True)
+    for lane in whole.lanes:
+        by = lane.seconds_by_phase()
+        table.add_row(lane.worker, *(f"{by[n]:.3f}" if n in by else "—" for n in names), f"{lane.busy:.3f}",
+                      f"{whole.seconds - lane.busy:.3f}", _frac(lane.fraction))
+    return table
