@@ -205,3 +205,23 @@ def test_workers_phases_land_in_phases_jsonl_on_the_run_clock(model, tok, prompt
         # the worker's phase lies inside the driver's (clocks mapped; 50 ms for the offset's estimate)
         assert outer["start"] - 0.05 <= inner["start"] and inner["start"] + inner["seconds"] <= outer["start"] + outer["seconds"] + 0.05
     assert workers["generate"]["flops"] > 0 and workers["sync"]["bytes"] == 0  # nothing changed since the start
+
+
+def test_the_recipe_block_is_typed_and_checked():
+    from posttrain.runtime.config import Recipe
+
+    stage = {"stage": "grpo", "data": [{"task": "arithmetic", "n": 8}], "batch_size": 8, "group_size": 4}
+    assert Recipe.model_validate({"stages": [stage]}).placement is None  # absent: one process
+    r = Recipe.model_validate({"stages": [stage], "placement": {"rollout_workers": 2, "sync": "delta"}})
+    assert Placement(**r.placement.model_dump()) == Placement(rollout_workers=2, sync="delta")
+    assert Placement(mode="colocated").cpus == 0 and Placement(num_cpus_per_worker=2).cpus == 2
+    with pytest.raises(ValueError, match="placement.workers"):
+        Recipe.model_validate({"stages": [stage], "placement": {"workers": 2}})  # unknown key, named
+    with pytest.raises(ValueError, match="placement.sync"):
+        Recipe.model_validate({"stages": [stage], "placement": {"sync": "bytes"}})
+
+
+def test_a_cluster_too_small_for_the_workers_is_refused_before_any_starts(model, tok):
+    # the module's cluster has 2 CPUs: 3 workers × 1 CPU cannot be placed (they would wait forever)
+    with pytest.raises(PlacementError, match=r"3 rollout workers × 1 CPUs need 3 CPUs; the Ray cluster has 2"):
+        RayRolloutEngine(model, tok, placement=Placement(rollout_workers=3))
