@@ -294,7 +294,13 @@ class RayRolloutEngine:
         wire = to_wire(named_tensors(model), self._wire_dtype)
         plan_sync(self._state, wire)  # the workers start from these weights: the first delta is against them
         weights = self._ray.put(full_payload(wire))
-        self._slots = [self._start(k, weights) for k in range(placement.rollout_workers)]
+        self._slots: list[_Slot] = []
+        try:
+            for k in range(placement.rollout_workers):
+                self._slots.append(self._start(k, weights))
+        except BaseException:
+            _kill([s.actor for s in self._slots])  # the ones that did start
+            raise
         self._finalizer = weakref.finalize(self, _kill, [s.actor for s in self._slots])
 
     # ---- workers ---------------------------------------------------------------------------------
