@@ -76,6 +76,7 @@ def test_shares_and_shards_by_hand():
     assert shard_params(SamplingParams(n=2, seed=1, shard=(10, 40)), range(3, 5), 5).shard == (16, 40)
 
 
+@pytest.mark.slow
 def test_samples_equal_the_in_process_engine_with_one_and_two_workers(model, tok, prompts):
     reference = make_engine("native", model, tok).generate(prompts, PARAMS)
     for workers in (1, 2):
