@@ -226,3 +226,35 @@ def test_a_cluster_too_small_for_the_workers_is_refused_before_any_starts(model,
     # the module's cluster has 2 CPUs: 3 workers × 1 CPU cannot be placed (they would wait forever)
     with pytest.raises(PlacementError, match=r"3 rollout workers × 1 CPUs need 3 CPUs; the Ray cluster has 2"):
         RayRolloutEngine(model, tok, placement=Placement(rollout_workers=3))
+
+
+def test_a_silent_worker_is_taken_for_dead_at_the_timeout(model, tok, prompts, tmp_path):
+    # the slow worker sleeps 2 s in every generate; a 0.5 s timeout with no restarts left stops the run
+    SlowWorker.marker = str(tmp_path / "started")
+    engine = RayRolloutEngine(model, tok, placement=Placement(timeout_s=0.5, max_restarts=0, num_cpus_per_worker=1),
+                              worker_cls=SlowWorker)
+    try:
+        with pytest.raises(PlacementError, match=r"rollout0 timed out and has used its 0 restarts .*GetTimeoutError"):
+            engine.generate(prompts, PARAMS)
+    finally:
+        engine.close()
+
+
+def test_a_lora_policy_is_rebuilt_in_the_worker_with_its_adapters(model, tok, prompts):
+    from posttrain.models import lora
+
+    policy = lora.wrap(model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
+    with torch.no_grad():  # B starts at 0 (the adapted model is the base model): give the adapters an effect
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    reference = make_engine("native", policy, tok).generate(prompts, PARAMS)
+    plain = make_engine("native", model, tok)
+    with lora.adapters_disabled(policy):
+        base = plain.generate(prompts, PARAMS)
+    assert base.texts != reference.texts  # the adapters change the samples: the comparison below can fail
+    engine = RayRolloutEngine(policy, tok, placement=Placement(mode="colocated", sync="delta"))
+    try:
+        same_samples(engine.generate(prompts, PARAMS), reference)
+    finally:
+        engine.close()

@@ -130,6 +130,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
 
 
 # ---- the actor -----------------------------------------------------------------------------------
+START_TIMEOUT_S = 300.0  # a worker's start (a new process importing torch, building the model) may take this long
 Timing = tuple[float, float]  # (start, worker's time.time(); seconds)
 
 
@@ -309,8 +310,8 @@ class RayRolloutEngine:
         actor_cls = self._ray.remote(self._worker_cls).options(num_cpus=p.cpus, max_restarts=0, max_concurrency=1)
         actor = actor_cls.remote(self._spec, weights, self.tokenizer, self._backend, self._options,
                                  max(1, int(p.num_cpus_per_worker)), p.mode == "colocated")
-        try:
-            self._ray.get(actor.clock.remote(), timeout=p.timeout_s)  # waits for the actor to build its model and engine
+        try:  # the first answer waits for the actor to start Python, import torch, build its model and engine
+            self._ray.get(actor.clock.remote(), timeout=max(p.timeout_s, START_TIMEOUT_S))
             before = time.time()
             theirs = self._ray.get(actor.clock.remote(), timeout=p.timeout_s)  # a round trip to a ready actor
             after = time.time()
