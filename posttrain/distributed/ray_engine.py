@@ -253,7 +253,6 @@ class _Stats:
     seconds: float = 0.0
     syncs: int = 0
     restarts: int = 0
-    reported: set[str] = field(default_factory=set)
 
 
 def _kill(actors: list[Any]) -> None:
