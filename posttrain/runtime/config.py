@@ -459,6 +459,18 @@ class DoctorConfig(Strict):
     every: int = Field(5, gt=0, description="run the rules every N logged records of a stage (cost: docs/doctor.md)")
 
 
+class PlacementConfig(Strict):
+    """Where the RL stages' rollout workers run (docs/placement.md): Ray actors, each with its own rollout
+    engine, fed the learner's weights after every update. The learner stays in this process."""
+
+    mode: Literal["split", "colocated"] = Field("split", description="split: each worker reserves its own CPUs (num_cpus_per_worker); colocated: workers reserve none (they share the learner's devices) and release their weight copies and KV cache after every rollout")
+    rollout_workers: int = Field(1, ge=1, description="Ray actors the prompts of a rollout are split over (prompt-major; the samples equal one engine's)")
+    sync: Literal["full", "delta"] = Field("full", description="weights after an update: every tensor (full), or only the tensors that changed and, in a 16-bit wire dtype, only their changed elements (delta)")
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs a worker reserves in split mode (Ray's resource accounting; its torch threads)")
+    max_restarts: int = Field(2, ge=0, description="times a dead or timed-out worker is restarted (its request re-issued) before the run stops")
+    timeout_s: float = Field(600.0, gt=0, description="seconds a worker's generate or sync may take before it is taken for dead")
+
+
 class Recipe(Strict):
     name: str = Field("run", description="run folder name under runs/")
     seed: int = Field(0, description="seeds the model init and every RNG")
@@ -470,6 +482,7 @@ class Recipe(Strict):
     evals: list[EvalSpec] = Field(default_factory=list, description="held-out evals after every stage (and of a loaded start): exactly these, none by default")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     doctor: DoctorConfig = Field(default_factory=DoctorConfig)
+    placement: PlacementConfig | None = Field(None, description="rollout workers as Ray actors (the `ray` extra; docs/placement.md); null = everything in this process")
     stages: list[Stage] = Field(min_length=1, description="the stages in order; an item `rounds: {repeat: N, stages: [...]}` is that block N times (docs/rounds.md)")
 
     @model_validator(mode="before")

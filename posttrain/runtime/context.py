@@ -5,6 +5,7 @@ and the data-parallel ranks it runs on."""
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.distributed import World
+from posttrain.distributed import DistributedError, World
 from posttrain.doctor import LiveDoctor
 from posttrain.models import load_model
 from posttrain.runtime.config import EvalSpec, Recipe
@@ -78,6 +79,8 @@ class RunContext:
     # the data-parallel ranks (docs/distributed.md); on ranks other than 0 the sink, telemetry and doctor
     # are null ones: only rank 0 writes the run folder
     ranks: World = field(default_factory=World)
+    # the Ray-placed engines this run made (recipe `placement:`): their sync/restart metrics join `log`
+    placed: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
     def stage_dir(self, folder: str) -> Path:
         return self.run_dir / "checkpoints" / folder
@@ -105,7 +108,19 @@ class RunContext:
         options = {}
         if backend == "native" and self.amp_dtype is not None and fused_unsupported_reason(model) is None:
             options["dtype"] = self.amp_dtype
-        return make_engine(backend, model, tokenizer or self.tokenizer, **options)
+        if self.recipe.placement is None:
+            return make_engine(backend, model, tokenizer or self.tokenizer, **options)
+        # placement: the rollouts run on Ray actors (docs/placement.md); the learner stays here
+        from posttrain.distributed.ray_engine import Placement, RayRolloutEngine  # ray is an optional extra
+
+        if self.ranks.world_size > 1:
+            raise DistributedError("placement: Ray rollout workers with torchrun ranks are not supported yet; "
+                                   "remove `placement:` or run one process")
+        engine = RayRolloutEngine(model, tokenizer or self.tokenizer, placement=Placement(**self.recipe.placement.model_dump()),
+                                  backend=backend, options=options)
+        engine.attach(self.telemetry)
+        self.placed.add(engine)
+        return engine
 
     @contextmanager
     def phase(self, name: str, *, stage: str, step: int, cost: Cost | None = None,
@@ -121,6 +136,8 @@ class RunContext:
         gather_phases(self.telemetry, rank=self.ranks.rank, world_size=self.ranks.world_size)
         record = {"stage": stage, "step": step, "time": round(time.perf_counter() - self.t0, 3)}
         record.update(metrics)
+        for engine in list(self.placed):
+            record.update(engine.take_metrics())
         record.update(self.telemetry.step_metrics(stage=stage, step=step))
         self.sink.log(record)
         if self.doctor is not None:
