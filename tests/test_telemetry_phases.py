@@ -191,11 +191,15 @@ def test_worker_thread_phases_do_not_nest_and_carry_their_worker(tmp_path):
 
 
 def test_record_external_is_written_and_folded_into_its_step(tmp_path):
-    """A phase timed in another process (a Ray actor) joins its step like a local one."""
+    """A phase timed in another process (a Ray actor) joins its step like a local one — under its worker's
+    keys, apart from the main worker's phase of the same name (the learner's wait for that rollout)."""
     tele = _open(tmp_path, busy=None)
     tele.record_external(PhaseRecord("grpo", 3, "generate", 1.0, 2.0, 4e9, 2e9, None, None, worker="rollout1"))
+    with tele.phase("generate", stage="grpo", step=3):  # the learner's side of the same rollout
+        pass
     m = tele.step_metrics(stage="grpo", step=3)
     tele.close()
-    assert m["phase/generate/seconds"] == 2.0
-    assert m["phase/generate/flops_per_s"] == pytest.approx(2e9)  # 4 GFLOP in 2 s
+    assert m["phase@rollout1/generate/seconds"] == 2.0
+    assert m["phase@rollout1/generate/flops_per_s"] == pytest.approx(2e9)  # 4 GFLOP in 2 s
+    assert m["phase/generate/seconds"] < 0.1  # the learner's own: not 2 s more
     assert read_phases(tmp_path / "phases.jsonl")[0].worker == "rollout1"

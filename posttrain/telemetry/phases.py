@@ -366,6 +366,12 @@ class Telemetry:
         the roofs as revised: never above 100), `…/bound`, `…/busy` (time-weighted over occurrences),
         `…/mem_peak_bytes` (the largest peak over occurrences); plus `telemetry/busy`, the busy mean
         over the whole step. Keys whose value is undefined (no cost, unknown peak) are left out.
+
+        These keys are the main worker's (the one process, or the learner / rank 0): what the step's wall
+        clock is made of. Another worker's phases (a data-parallel rank, a rollout thread or actor) fold
+        into the same values under `phase@<worker>/<name>/…` — never summed into the main worker's, where
+        a learner's `generate` (the wait for a remote rollout) and the rollout worker's own `generate`
+        would count the same decode twice.
         """
         if not self.enabled:
             return {}
@@ -374,12 +380,12 @@ class Telemetry:
         with self._lock:
             records = self._pending.pop((stage, step), [])
             window = self._windows.pop((stage, step), None)
-        by_name: dict[str, list[PhaseRecord]] = {}
+        by_name: dict[tuple[str, str], list[PhaseRecord]] = {}
         for r in records:
-            by_name.setdefault(r.name, []).append(r)
+            by_name.setdefault((r.worker, r.name), []).append(r)
         peak_flops = self.peaks.flops_for(self.dtype)
         out: dict[str, float | str] = {}
-        for name, group in by_name.items():
+        for (worker, name), group in by_name.items():
             seconds = sum(r.seconds for r in group)
             flops, nbytes = sum(r.flops for r in group), sum(r.bytes for r in group)
             p = place(flops, nbytes, seconds, peak_flops=peak_flops, peak_bytes_per_s=self.peaks.bytes_per_s,
@@ -391,7 +397,8 @@ class Telemetry:
                 "pct_bandwidth_roof": p.pct_bandwidth_roof, "bound": p.bound.value,
                 "busy": _time_weighted_busy(group), "mem_peak_bytes": float(max(peaks)) if peaks else None,
             }
-            out.update({f"phase/{name}/{k}": v for k, v in values.items() if v is not None})
+            prefix = "phase" if worker == MAIN_WORKER else f"phase@{worker}"
+            out.update({f"{prefix}/{name}/{k}": v for k, v in values.items() if v is not None})
         if self.sampler is not None and window is not None:
             busy = self.sampler.mean(*window)
             if busy is not None:
