@@ -23,12 +23,12 @@ Departures:
 3. approx_kl is Schulman's k3 estimator of KL(π_old ‖ π) on the sampled tokens, mean over tokens.
 
 Off-policy (stale or mismatched) samples — `decoupled_ppo_loss`:
-- Decoupled PPO: Hilton, Cobbe & Schulman 2022, "Batch size-invariance for policy optimization", eq. 2:
+- Decoupled PPO: Hilton, Cobbe & Schulman 2022, "Batch size-invariance for policy optimization" (arXiv 2110.00641), the decoupled PPO-clip objective:
   the trust region is centred on a *proximal* policy π_prox, not on the behaviour policy π_behav that
   sampled, and the off-policy correction is a separate importance weight:
   L = E_{a∼π_behav}[ (π_prox/π_behav) · min(r·A, clip(r, 1−ε, 1+ε)·A) ],  r = π_θ/π_prox.
   AReaL (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for Language
-  Reasoning", eq. 5) uses it for asynchronous RL, with π_prox the learner's weights before the update.
+  Reasoning", eq. 5 — the number as issue 22 cites it; the equation numbers were not re-checked against the papers) uses it for asynchronous RL, with π_prox the learner's weights before the update.
 - Truncated importance sampling: Yao et al. 2025, "Your efficient RL framework secretly brings you
   off-policy RL training": the weight of the sampler/learner mismatch is truncated, min(π_learner/π_sampler, C)
   (C = 2 in their runs), so a token the sampler drew far more rarely than the learner would cannot
@@ -173,7 +173,7 @@ def decoupled_ppo_loss(
     is_cap: float,
 ) -> tuple[Tensor, PolicyStats, OffPolicyStats]:
     """Per-token −min(π_prox/π_behav, C) · min(r·A, clip(r, 1−clip_low, 1+clip_high)·A), r = π_θ/π_prox
-    (decoupled PPO, Hilton et al. 2022 eq. 2 / AReaL eq. 5, with the weight truncated as in Yao et al. 2025).
+    (decoupled PPO, Hilton et al. 2022 / AReaL eq. 5, with the weight truncated as in Yao et al. 2025).
 
     Shape: logprobs (π_θ, with grad), prox_logprobs, behav_logprobs, mask (B, T); advantages (B, T) or
     (B, 1). Returns the loss (B, T) (0 outside the mask), the clip stats (of r against π_prox) and the

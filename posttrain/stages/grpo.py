@@ -39,6 +39,11 @@ Departures (numbered):
    those rows, `SamplingParams.shard`), computes advantages within its groups (a group never spans
    ranks), normalizes the loss by the token and sequence counts of every rank's rows, and the
    gradients are summed over the ranks. Not yet with dynamic sampling, `env` or a non-native backend.
+8. Asynchronous (`max_staleness` k ≥ 1, docs/async_rl.md): a rollout thread (`_async_rollout.py`) samples
+   rollout i with the policy after exactly max(0, i − k) rollout updates while the learner trains, and the
+   update applies decoupled PPO with a truncated importance weight (`losses.decoupled_ppo_loss`: Hilton et
+   al. 2022, AReaL eq. 5, Yao et al. 2025) whose proximal log-probs are the first pass's own, detached.
+   Every run (k = 0 too) logs the sampler/learner mismatch of the first pass (`mismatch/*`).
 """
 
 from __future__ import annotations
