@@ -50,6 +50,11 @@ def measure(run_dir: Path, steps: int) -> dict[str, float]:
     wall = max(p.start + p.seconds for p in work) - min(p.start for p in work)
     busy = lambda worker, names: sum(p.seconds for p in work if p.worker == worker and p.name in names)  # noqa: E731
     out = {"wall_s": wall, "s_per_step": wall / steps, "learner_idle": 1 - busy("main", LEARNER) / wall}
+    for worker in ("main", "rollout0"):  # the weight move: the learner's snapshot copy, the engine's load
+        syncs = [p for p in work if p.worker == worker and p.name == "sync" and p.bytes > 0]
+        if syncs:
+            out[f"sync_{worker}_ms"] = 1e3 * sum(p.seconds for p in syncs) / len(syncs)
+            out[f"sync_{worker}_mb"] = sum(p.bytes for p in syncs) / len(syncs) / 1e6
     if any(p.worker == "rollout0" for p in work):
         out["rollout_idle"] = 1 - busy("rollout0", ROLLOUT) / wall
     recs = [r for _, r in read_jsonl_records(run_dir / "metrics.jsonl") if r.get("stage") == "grpo"]
@@ -74,12 +79,17 @@ def main() -> None:
     ap.add_argument("--levels", nargs="+", default=["L2", "L3", "L4"], help="eval levels (the gold metric)")
     ap.add_argument("--per-level", type=int, default=500)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--measure-only", action="store_true", help="re-read the run folders under --out, run nothing")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     transformers.utils.logging.disable_progress_bar()
     console = Console()
 
     start = a.start
+    if a.measure_only:
+        results = [{"seed": seed, "k": k, **measure(a.out / f"seed{seed}-k{k}", a.steps), "gold": gold(a.out / f"seed{seed}-k{k}")}
+                   for seed in a.seeds for k in a.ks if (a.out / f"seed{seed}-k{k}" / "evals.jsonl").exists()]
+        return table(console, a, start, results)
     if start is None:  # quickstart's pretrain + SFT, the demo's (as benchmarks/grpo_gain.py)
         quick = load_recipe(RECIPES / "quickstart.yaml", [f"threads={a.threads}"])
         sft = quick.model_copy(update={"name": "async-sft", "stages": quick.stages[:2]})
@@ -101,15 +111,23 @@ def main() -> None:
             results.append(row)
             (a.out / "results.json").write_text(json.dumps(results, indent=1))
             console.print(row)
+    table(console, a, start, results)
 
+
+def table(console: Console, a: argparse.Namespace, start: Path | None, results: list[dict]) -> None:
     console.rule(f"sync vs async GRPO, {a.steps} steps, {a.threads} thread(s), start {start}")
-    head = "| seed | k | s/step | learner idle | rollout idle | " + " | ".join(f"{lv} exact match ± SE" for lv in a.levels) + " |"
-    console.print(head)
-    console.print("|" + "---|" * (5 + len(a.levels)))
+    head = ("| seed | k | s/step | learner idle | rollout idle | sync: learner copy / engine load (ms, MB) | "
+            + " | ".join(f"{lv} exact match ± SE" for lv in a.levels) + " |")
+    console.print(head, soft_wrap=True)
+    console.print("|" + "---|" * (6 + len(a.levels)), soft_wrap=True)
     for r in results:
         cells = [f"{100 * r['gold'][lv][0]:.1f} ± {100 * r['gold'][lv][1]:.1f}" if lv in r["gold"] else "—" for lv in a.levels]
+        sync = " / ".join(f"{r[f'sync_{w}_ms']:.1f}" for w in ("main", "rollout0") if f"sync_{w}_ms" in r)
+        mb = r.get("sync_main_mb", r.get("sync_rollout0_mb"))
         console.print(f"| {r['seed']} | {r['k']} | {r['s_per_step']:.2f} | {100 * r['learner_idle']:.0f}% | "
-                      + (f"{100 * r['rollout_idle']:.0f}%" if "rollout_idle" in r else "—") + " | " + " | ".join(cells) + " |")
+                      + (f"{100 * r['rollout_idle']:.0f}%" if "rollout_idle" in r else "—")
+                      + f" | {sync or '—'}" + (f" ({mb:.1f} MB)" if mb else "") + " | " + " | ".join(cells) + " |",
+                      soft_wrap=True)
     console.print(f"written: {a.out / 'results.json'}")
 
 
