@@ -17,7 +17,7 @@ from posttrain.losses import decoupled_ppo_loss, ppo_clip_loss, sampler_mismatch
 from posttrain.rewards import WeightedVerifier
 from posttrain.runtime.config import GRPOStage
 from posttrain.stages import grpo as grpo_mod
-from posttrain.stages._async_rollout import behaviour_version
+from posttrain.stages._async_rollout import AsyncRollouts, behaviour_version
 from posttrain.stages.grpo import run_grpo
 from test_rlvr_grpo import _digits, make_ctx
 
@@ -82,6 +82,60 @@ def test_behaviour_version_and_config():
     assert GRPOStage(data=data, off_policy="tis").correction == "tis"
     with pytest.raises(ValueError, match="tis corrects the sampler/learner mismatch"):
         GRPOStage(data=data, max_staleness=1, off_policy="tis")
+
+
+# ---- the producer, with a fake engine -------------------------------------------------------------
+class _Engine:
+    """Records the weight it was synced to (a 1×1 linear layer whose weight is the version number)."""
+
+    def __init__(self):
+        self.weight, self.synced = 0.0, []
+
+    def sync_weights(self, state):
+        self.weight = float(state["weight"])
+        self.synced.append(self.weight)
+        return 4
+
+    def release_memory(self):
+        return 0
+
+
+def _producer(k: int, n: int, produce) -> tuple[AsyncRollouts, _Engine]:
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    engine = _Engine()
+    return AsyncRollouts(engine=engine, max_staleness=k, n_rollouts=n, first_index=0, engine_version=0,
+                         produce=lambda i, v: produce(engine, i, v), data_state=lambda: {},
+                         phase=lambda name, step: nullcontext(SimpleNamespace(cost=None)), step_of=lambda i: i + 1), engine
+
+
+def test_producer_samples_each_rollout_with_its_version():
+    model = torch.nn.Linear(1, 1, bias=False)
+    rollouts, engine = _producer(2, 6, lambda e, i, v: ((i, v, e.weight), {}))
+    for i in range(6):
+        item, _ = rollouts.get(i)
+        # the engine held version max(0, i − 2) when it sampled rollout i
+        assert item.batch == (i, max(0, i - 2), float(max(0, i - 2))) and item.version == max(0, i - 2)
+        with torch.no_grad():
+            model.weight.fill_(i + 1.0)  # "update i" makes version i + 1
+        copied = rollouts.publish(i + 1, model)
+        assert copied == (4 if i + 1 + 2 < 6 else 0)  # versions 4, 5, 6 sample nothing: not copied
+    rollouts.close()
+    assert engine.synced == [1.0, 2.0, 3.0]  # rollouts 3, 4, 5 (rollouts 0–2 are version 0, the engine's own)
+
+
+def test_producer_failure_reaches_the_learner():
+    def produce(engine, i, v):
+        if i == 1:
+            raise OSError("verifier sandbox died")
+        return None, {}
+
+    rollouts, _ = _producer(1, 4, produce)
+    rollouts.get(0)
+    with pytest.raises(RuntimeError, match="rollout thread failed: OSError: verifier sandbox died"):
+        rollouts.get(1)  # raised, not a hang
+    rollouts.close()
 
 
 # ---- the doctor --------------------------------------------------------------------------------------
