@@ -17,8 +17,9 @@ from typing import Any
 from posttrain.doctor.findings import Finding
 from posttrain.doctor.rules_numeric import grad_spike, non_finite, ratio_mismatch
 from posttrain.doctor.rules_preference import likelihood_displacement, reward_scale_collapse
-from posttrain.doctor.rules_rl import (clip_fraction_climb, difficulty_mismatch, entropy_collapse, length_explosion,
-                                       reward_overoptimization, verifier_gaming)
+from posttrain.doctor.rules_rl import (clip_fraction_climb, difficulty_mismatch, entropy_collapse,
+                                       importance_weight_drift, length_explosion, reward_overoptimization,
+                                       verifier_gaming)
 from posttrain.doctor.rules_sft import forgetting, overfitting
 from posttrain.doctor.streams import RunStreams, StageStream, load_streams
 
@@ -30,7 +31,7 @@ STAGE_RULES: tuple[StageRule, ...] = (
     overfitting,
     likelihood_displacement, reward_scale_collapse,
     reward_overoptimization, length_explosion, entropy_collapse, clip_fraction_climb, verifier_gaming,
-    difficulty_mismatch,
+    difficulty_mismatch, importance_weight_drift,
 )
 RUN_RULES: tuple[RunRule, ...] = (forgetting,)
 RULE_NAMES = [r.__name__ for r in (*STAGE_RULES, *RUN_RULES)]

@@ -19,6 +19,11 @@
    "Defining and Characterizing Reward Hacking"; DeepSeek-R1 2025 §2.2.2 on rule-based rewards).
 6. `difficulty_mismatch` — most groups are all-correct or all-wrong: zero reward variance, zero GRPO
    advantage, generation spent for nothing (Yu et al. 2025, DAPO §3.2 dynamic sampling).
+7. `importance_weight_drift` — asynchronous (or mismatched) rollouts: the truncated importance weights
+   min(π_prox/π_behav, C) drift from 1 (their mean) or hit the cap ever more often: the behaviour policy
+   is too far from the learner for the correction to stay cheap — the truncation biases the gradient and
+   the kept weights raise its variance (Yao et al. 2025, "Your efficient RL framework secretly brings you
+   off-policy RL training"; Fu et al. 2025, AReaL §5 on the staleness bound).
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ ENTROPY_SOLVED = 0.95                    # end pass rate at which low entropy is
 CLIP_WARN, CLIP_CRIT = 0.2, 0.4          # clipped-token share, and ≥ 3× its start
 FORMAT_RISE, ACC_FLAT = 0.15, 0.05       # format reward up ≥ 15 points while accuracy moves < 5 points
 ZERO_VAR_WARN = 0.6                      # ≥ 60% of groups carry no signal (median over the stage's second half)
+# truncated IS weights: |mean − 1| at the end ≥ 0.2 (warning) / ≥ 0.5 (critical); or the share of tokens at the
+# cap ends ≥ 5% (warning) / ≥ 20% (critical), up from its start by more than 3× its noise
+IS_MEAN_WARN, IS_MEAN_CRIT = 0.2, 0.5
+IS_TRUNC_WARN, IS_TRUNC_CRIT = 0.05, 0.2
 
 
 def _rise(x: Series) -> tuple[float, float, float]:
@@ -263,3 +272,37 @@ def difficulty_mismatch(s: StageStream) -> list[Finding]:
         "problems by the start policy's pass rate; larger groups also help on hard problems",
         [evidence(z.metric, z.steps, z.values, window, ZERO_VAR_WARN)] + ([evidence(pr.metric, pr.steps, pr.values, window)] if len(pr) else []),
         "Yu et al. 2025 (DAPO §3.2, dynamic sampling)")]
+
+
+def importance_weight_drift(s: StageStream) -> list[Finding]:
+    """`offpolicy/is_weight_mean` ends ≥ 0.2 from 1 (warning; ≥ 0.5 critical), or `offpolicy/is_truncated_frac`
+    ends ≥ 5% and rose by more than 3× its noise (warning; ≥ 20% critical). Silent without the correction."""
+    if s.kind not in RL_KINDS:
+        return []
+    w, tr = s.series("offpolicy/is_weight_mean").clean(), s.series("offpolicy/is_truncated_frac").clean()
+    if len(w) < MIN_POINTS:
+        return []
+    w0, w1 = start_level(w.values), end_level(w.values)
+    t0, t1, t_noise = _rise(tr) if len(tr) >= MIN_POINTS else (0.0, 0.0, 0.0)
+    drift = abs(w1 - 1.0)
+    trunc_up = t1 >= IS_TRUNC_WARN and t1 - t0 > 3 * t_noise
+    if drift < IS_MEAN_WARN and not trunc_up:
+        return []
+    sev = Severity.CRITICAL if drift >= IS_MEAN_CRIT or (trunc_up and t1 >= IS_TRUNC_CRIT) else Severity.WARNING
+    if drift >= IS_MEAN_WARN:
+        window = _window_from(w, [abs(v - 1.0) >= IS_MEAN_WARN for v in rolling_median(w.values)])
+    else:
+        window = _window_from(tr, [v >= IS_TRUNC_WARN for v in rolling_median(tr.values)])
+    ev = [evidence(w.metric, w.steps, w.values, window, 1.0)]
+    if len(tr):
+        ev.append(evidence(tr.metric, tr.steps, tr.values, window, t0))
+    k = s.config.get("max_staleness")
+    return [Finding(
+        "importance_weight_drift", s.name, sev, window[0],
+        f"mean truncated importance weight min(π_prox/π_behav, C) {w0:.2f} → {w1:.2f}; tokens at the cap "
+        f"{t0:.1%} → {t1:.1%}" + (f" (max_staleness {k})" if k is not None else ""),
+        "the policy that sampled the rollouts is far from the learner's: the correction keeps the gradient "
+        "unbiased only while the weights stay near 1 — capped tokens bias it, large weights make it noisy",
+        "lower max_staleness (k = 1 is usually enough to overlap generate and update), lower the learning rate, "
+        "or use more samples per update; keep off_policy: decoupled on",
+        ev, "Yao et al. 2025 (truncated IS); Fu et al. 2025 (AReaL, decoupled PPO and the staleness bound)")]

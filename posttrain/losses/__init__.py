@@ -44,11 +44,16 @@ from posttrain.losses.logprobs import (
     token_logprobs_naive,
 )
 from posttrain.losses.policy import (
+    MismatchStats,
+    OffPolicyStats,
     PolicyStats,
     ValueStats,
     clipped_value_loss,
+    decoupled_ppo_loss,
     entropy_bonus,
     ppo_clip_loss,
+    sampler_mismatch,
+    truncated_is_weights,
     value_loss,
 )
 from posttrain.losses.preference import (
@@ -81,6 +86,8 @@ __all__ = [
     "KTOStats",
     "LossNormalizer",
     "ORPOStats",
+    "MismatchStats",
+    "OffPolicyStats",
     "PolicyStats",
     "PreferenceLoss",
     "PreferenceMethod",
@@ -110,6 +117,9 @@ __all__ = [
     "masked_whiten",
     "orpo_loss",
     "ppo_clip_loss",
+    "decoupled_ppo_loss",
+    "sampler_mismatch",
+    "truncated_is_weights",
     "rankings_to_pairs",
     "reinforce_pp_advantages",
     "rloo_advantages",

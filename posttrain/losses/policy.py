@@ -21,6 +21,23 @@ Departures:
    ("low"), r > 1+ε_high with A > 0 ("high"), and r > c with A < 0 for the dual clip. Some trainers
    count |r − 1| > ε regardless of the sign of A, which also counts tokens that still get a gradient.
 3. approx_kl is Schulman's k3 estimator of KL(π_old ‖ π) on the sampled tokens, mean over tokens.
+
+Off-policy (stale or mismatched) samples — `decoupled_ppo_loss`:
+- Decoupled PPO: Hilton, Cobbe & Schulman 2022, "Batch size-invariance for policy optimization" (arXiv 2110.00641), the decoupled PPO-clip objective:
+  the trust region is centred on a *proximal* policy π_prox, not on the behaviour policy π_behav that
+  sampled, and the off-policy correction is a separate importance weight:
+  L = E_{a∼π_behav}[ (π_prox/π_behav) · min(r·A, clip(r, 1−ε, 1+ε)·A) ],  r = π_θ/π_prox.
+  AReaL (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for Language
+  Reasoning", eq. 5 — the number as issue 22 cites it; the equation numbers were not re-checked against the papers) uses it for asynchronous RL, with π_prox the learner's weights before the update.
+- Truncated importance sampling: Yao et al. 2025, "Your efficient RL framework secretly brings you
+  off-policy RL training": the weight of the sampler/learner mismatch is truncated, min(π_learner/π_sampler, C)
+  (C = 2 in their runs), so a token the sampler drew far more rarely than the learner would cannot
+  dominate the batch.
+Departures:
+4. The weight π_prox/π_behav is always truncated at C (AReaL leaves it untruncated by default and offers
+   a cap); it is a constant (no gradient), computed at masked-in tokens only (padding gets weight 0).
+5. `is_truncated_frac` counts the tokens whose weight the cap lowered (π_prox/π_behav > C); tokens with a
+   small weight (π_prox ≪ π_behav) are kept at their weight — only the upper tail is cut, as in the papers.
 """
 
 from __future__ import annotations
@@ -42,6 +59,19 @@ class PolicyStats(Stats):
     approx_kl: Tensor  # mean of (r − 1) − log r
     ratio_mean: Tensor
     ratio_max: Tensor
+
+
+@dataclass(frozen=True)
+class OffPolicyStats(Stats):
+    is_weight_mean: Tensor      # mean over tokens of min(π_prox/π_behav, C)
+    is_truncated_frac: Tensor   # share of tokens with π_prox/π_behav > C
+    log_ratio_abs_mean: Tensor  # mean |log π_prox − log π_behav|: how far the behaviour policy is from the proximal one
+
+
+@dataclass(frozen=True)
+class MismatchStats(Stats):
+    logprob_abs_mean: Tensor  # mean |log π_behav − log π_θ| over response tokens
+    kl: Tensor                # k3 estimate of KL(π_behav ‖ π_θ) on the sampled tokens: mean of (r − 1) − log r, r = π_θ/π_behav
 
 
 @dataclass(frozen=True)
@@ -108,6 +138,62 @@ def ppo_clip_loss(
             ratio_max=r.masked_fill(~keep, 0.0).max() if r.numel() else r.new_zeros(()),  # r > 0: 0 never wins
         )
     return loss, stats
+
+
+def truncated_is_weights(prox_logprobs: Tensor, behav_logprobs: Tensor, mask: Tensor, *, cap: float
+                         ) -> tuple[Tensor, OffPolicyStats]:
+    """Per-token min(π_prox/π_behav, cap), detached, 0 where mask is 0 (departures 4, 5).
+
+    Shape: (B, T) each. The ratio is formed from log-probs at masked-in tokens only (padding gets
+    log w = 0 before the mask), so padding cannot overflow exp()."""
+    where = "truncated_is_weights"
+    _check_token_inputs(where, "prox_logprobs", prox_logprobs, mask, behav_logprobs=behav_logprobs)
+    check_positive(where, cap=cap)
+    keep = mask.bool()
+    with torch.no_grad():
+        log_w = torch.where(keep, prox_logprobs.detach() - behav_logprobs.detach(), 0.0)
+        raw = torch.exp(log_w)
+        w = torch.where(keep, torch.clamp(raw, max=cap), 0.0)
+        f = w.dtype
+        stats = OffPolicyStats(is_weight_mean=masked_mean(w, keep),
+                               is_truncated_frac=masked_mean((raw > cap).to(f), keep),
+                               log_ratio_abs_mean=masked_mean(log_w.abs(), keep))
+    return w, stats
+
+
+def decoupled_ppo_loss(
+    logprobs: Tensor,
+    prox_logprobs: Tensor,
+    behav_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    is_cap: float,
+) -> tuple[Tensor, PolicyStats, OffPolicyStats]:
+    """Per-token −min(π_prox/π_behav, C) · min(r·A, clip(r, 1−clip_low, 1+clip_high)·A), r = π_θ/π_prox
+    (decoupled PPO, Hilton et al. 2022 / AReaL eq. 5, with the weight truncated as in Yao et al. 2025).
+
+    Shape: logprobs (π_θ, with grad), prox_logprobs, behav_logprobs, mask (B, T); advantages (B, T) or
+    (B, 1). Returns the loss (B, T) (0 outside the mask), the clip stats (of r against π_prox) and the
+    importance-weight stats. With π_prox = π_behav it is `ppo_clip_loss` exactly (every weight is 1)."""
+    _check_token_inputs("decoupled_ppo_loss", "logprobs", logprobs, mask, prox_logprobs=prox_logprobs,
+                        behav_logprobs=behav_logprobs)
+    w, is_stats = truncated_is_weights(prox_logprobs, behav_logprobs, mask, cap=is_cap)
+    loss, stats = ppo_clip_loss(logprobs, prox_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high)
+    return w * loss, stats, is_stats
+
+
+def sampler_mismatch(logprobs: Tensor, behav_logprobs: Tensor, mask: Tensor) -> MismatchStats:
+    """How far the learner's log-probs (π_θ, first update pass) are from the sampler's on the sampled tokens:
+    mean |Δ log π| and the k3 estimate of KL(π_behav ‖ π_θ). Shape: (B, T) each. Detached."""
+    _check_token_inputs("sampler_mismatch", "logprobs", logprobs, mask, behav_logprobs=behav_logprobs)
+    keep = mask.bool()
+    with torch.no_grad():
+        log_r = torch.where(keep, logprobs.detach() - behav_logprobs.detach(), 0.0)  # log π_θ/π_behav
+        return MismatchStats(logprob_abs_mean=masked_mean(log_r.abs(), keep),
+                             kl=masked_mean(torch.expm1(log_r) - log_r, keep))
 
 
 def value_loss(values: Tensor, returns: Tensor, mask: Tensor) -> tuple[Tensor, ValueStats]:

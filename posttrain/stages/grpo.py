@@ -39,16 +39,23 @@ Departures (numbered):
    those rows, `SamplingParams.shard`), computes advantages within its groups (a group never spans
    ranks), normalizes the loss by the token and sequence counts of every rank's rows, and the
    gradients are summed over the ranks. Not yet with dynamic sampling, `env` or a non-native backend.
+8. Asynchronous (`max_staleness` k ≥ 1, docs/async_rl.md): a rollout thread (`_async_rollout.py`) samples
+   rollout i with the policy after exactly max(0, i − k) rollout updates while the learner trains, and the
+   update applies decoupled PPO with a truncated importance weight (`losses.decoupled_ppo_loss`: Hilton et
+   al. 2022, AReaL eq. 5, Yao et al. 2025) whose proximal log-probs are the first pass's own, detached.
+   Every run (k = 0 too) logs the sampler/learner mismatch of the first pass (`mismatch/*`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,12 +67,15 @@ from posttrain.losses import (
     AGGREGATIONS,
     Aggregation,
     LossNormalizer,
+    OffPolicyStats,
     PolicyStats,
+    decoupled_ppo_loss,
     dr_grpo_advantages,
     entropy_from_logits,
     grpo_advantages,
     kl_k3,
     ppo_clip_loss,
+    sampler_mismatch,
     token_logprobs,
 )
 from posttrain.losses._enum import StrEnum
@@ -74,6 +84,7 @@ from posttrain.runtime.context import RunContext, StageResult, eval_plan
 from posttrain.rewards import CombinedRewards, WeightedVerifier
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams
 from posttrain.rollout.text import positions_from_mask
+from posttrain.stages._async_rollout import ROLLOUT_WORKER, AsyncRollouts, RolloutItem
 from posttrain.stages._episodes import build_env, collect_episode_groups
 from posttrain.stages._rlvr import (
     build_rewards,
@@ -88,6 +99,7 @@ from posttrain.models.prefix_attention import shared_prefix
 from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
 from posttrain.stages._training import Trainer, next_step, optimizer_step, reference_policy, save, start_or_resume
 from posttrain.telemetry import costs, memory
+from posttrain.telemetry.phases import MAIN_WORKER
 
 
 # ---- the loss variants ---------------------------------------------------------------------------
@@ -124,6 +136,21 @@ def grpo_token_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor
         return loss, torch.zeros_like(loss), stats
     kl = torch.where(mask.bool(), kl_k3(logprobs, ref_logprobs), 0.0)
     return loss + kl_coef * kl, kl.detach(), stats
+
+
+def decoupled_grpo_token_loss(logprobs: Tensor, prox_logprobs: Tensor, behav_logprobs: Tensor, ref_logprobs: Tensor | None,
+                              advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, kl_coef: float,
+                              is_cap: float) -> tuple[Tensor, Tensor, PolicyStats, OffPolicyStats]:
+    """`grpo_token_loss` with the off-policy correction (docs/async_rl.md): the clip against the proximal
+    log-probs, each token's surrogate weighted by min(π_prox/π_behav, is_cap) (`losses.decoupled_ppo_loss`);
+    the KL term is not weighted (it is a regularizer on π_θ, not an expectation over the behaviour policy).
+    Shape: as `grpo_token_loss`, prox_logprobs and behav_logprobs (B, T). Also returns the weight stats."""
+    loss, stats, is_stats = decoupled_ppo_loss(logprobs, prox_logprobs, behav_logprobs, advantages[:, None], mask,
+                                               clip_low=clip_low, clip_high=clip_high, is_cap=is_cap)
+    if ref_logprobs is None:
+        return loss, torch.zeros_like(loss), stats, is_stats
+    kl = torch.where(mask.bool(), kl_k3(logprobs, ref_logprobs), 0.0)
+    return loss + kl_coef * kl, kl.detach(), stats, is_stats
 
 
 # ---- the rollout batch ---------------------------------------------------------------------------
@@ -206,7 +233,8 @@ class Collected:
 
 
 def collect_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verifiers: list[WeightedVerifier], variant: LossVariant,
-                   problems: list[Problem], prompts: list[list[int]], sampler: EpochSampler, step: int) -> Collected:
+                   problems: list[Problem], prompts: list[list[int]], sampler: EpochSampler, step: int,
+                   worker: str = MAIN_WORKER) -> Collected:
     """Generate and score groups until `batch_size / group_size` usable ones are in hand (bounded).
 
     Phases `generate` and `score`. Without dynamic sampling, one round, every judged group kept
@@ -228,11 +256,11 @@ def collect_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verif
         params = SamplingParams(n=g, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                                 seed=ctx.recipe.seed * 1_000_003 + step * 101 + rnd,
                                 shard=None if ranks.world_size == 1 else (mine.start * g, len(drawn) * g))
-        with ctx.phase("generate", stage=cfg.folder, step=step) as p:
+        with ctx.phase("generate", stage=cfg.folder, step=step, worker=worker) as p:
             ro = engine.generate([prompts[i] for i in idx], params)
             p.cost = engine.decode_cost(batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
                                         new_tokens=max(1, ro.completion_ids.shape[1]))
-        with ctx.phase("score", stage=cfg.folder, step=step):
+        with ctx.phase("score", stage=cfg.folder, step=step, worker=worker):
             batch_problems = [problems[i] for i in idx]
             rewards = score_rollout(verifiers, ro, batch_problems)
             judged, varied, missing = group_keep(rewards.total, g)
@@ -275,11 +303,11 @@ def rollout_metrics(ranks: World, rewards: CombinedRewards, ro: Rollout, passes:
 
 def collect(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verifiers: list[WeightedVerifier],
             variant: LossVariant, problems: list[Problem], prompts: list[list[int]], sampler: EpochSampler, step: int,
-            env: EnvironmentFactory | None) -> tuple[GroupBatch | None, dict[str, float]]:
+            env: EnvironmentFactory | None, worker: str = MAIN_WORKER) -> tuple[GroupBatch | None, dict[str, float]]:
     """One rollout batch — single completions, or episodes in `env` — as the batch the update reads
-    (None: no usable group) and its metrics."""
+    (None: no usable group) and its metrics. `worker`: who generates it (a rollout thread: "rollout0")."""
     if env is None:
-        got = collect_groups(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler, step)
+        got = collect_groups(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler, step, worker)
         return (build_batch(got.pieces, engine.pad_id, mask_truncated=cfg.mask_truncated) if got.pieces else None,
                 got.metrics)
     eps = collect_episode_groups(ctx, cfg, engine, env, verifiers, variant.advantages, problems, sampler, step)
@@ -303,29 +331,49 @@ def micro_rows(cfg: GRPOStage, ranks: World, rows: int) -> int:
 
 
 def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps: Tensor | None, variant: LossVariant,
-           clip: tuple[float, float], pad_id: int = 0) -> dict[str, float]:
+           clip: tuple[float, float], pad_id: int = 0, prox: list[Tensor] | None = None) -> dict[str, float]:
     """One optimizer step over the whole batch in `grad_accum` micro-batches; exact accumulation
-    (normalizers counted over the whole batch — every rank's rows — first)."""
+    (normalizers counted over the whole batch — every rank's rows — first).
+
+    prox: with an off-policy correction (`cfg.correction` ≠ none), the proximal log-probs per micro-batch:
+    an empty list on the rollout's first pass, which fills it with that pass's own log-probs, detached (the
+    learner's weights before the update — docs/async_rl.md, departure 1); later passes (μ > 1) read them.
+    Every pass also measures the sampler/learner mismatch (`mismatch/*`; the stage keeps the first pass's)."""
     norm = batch_normalizer(ctx.ranks, b.mask, constant_length=cfg.max_new_tokens)
     aggregate = AGGREGATIONS[variant.aggregation]
     micro = micro_rows(cfg, ctx.ranks, len(b))
-    sums = {"loss/policy": 0.0, "kl": 0.0, "entropy": 0.0, "clip/low": 0.0, "clip/high": 0.0, "clip/approx_kl": 0.0}
+    sums = {"loss/policy": 0.0, "kl": 0.0, "entropy": 0.0, "clip/low": 0.0, "clip/high": 0.0, "clip/approx_kl": 0.0,
+            "mismatch/logprob_abs_mean": 0.0, "mismatch/kl": 0.0}
+    if prox is not None:
+        sums.update({"offpolicy/is_weight_mean": 0.0, "offpolicy/is_truncated_frac": 0.0, "offpolicy/log_ratio_abs_mean": 0.0})
+    first_pass = prox is not None and not prox
     ratio_max = 0.0
     tokens = norm.num_tokens
-    for i in range(0, len(b), micro):
+    for j, i in enumerate(range(0, len(b), micro)):
         mb, sl = b.rows(slice(i, i + micro)), slice(i, i + micro)
         with ctx.autocast():
             logits = completion_logits(t.model, mb, share_prompt=cfg.share_prompt, pad_id=pad_id)  # (r, N, V)
         logps = token_logprobs(logits.float(), mb.input_ids[:, mb.prompt_len :])            # (r, N)
         ref = None if ref_logps is None else ref_logps[sl]
-        tok_loss, kl, stats = grpo_token_loss(logps, mb.old_logprobs, ref, mb.advantages, mb.mask,
-                                              clip_low=clip[0], clip_high=clip[1], kl_coef=cfg.kl_coef)
+        share = float(mb.mask.sum()) / tokens  # stats are token means of the micro-batch: weight by tokens
+        if prox is None:
+            tok_loss, kl, stats = grpo_token_loss(logps, mb.old_logprobs, ref, mb.advantages, mb.mask,
+                                                  clip_low=clip[0], clip_high=clip[1], kl_coef=cfg.kl_coef)
+        else:
+            if first_pass:
+                prox.append(logps.detach())
+            tok_loss, kl, stats, is_stats = decoupled_grpo_token_loss(
+                logps, prox[j], mb.old_logprobs, ref, mb.advantages, mb.mask, clip_low=clip[0], clip_high=clip[1],
+                kl_coef=cfg.kl_coef, is_cap=cfg.is_cap)
+            for k, v in is_stats.as_floats().items():
+                sums[f"offpolicy/{k}"] += v * share
+        for k, v in sampler_mismatch(logps, mb.old_logprobs, mb.mask).as_floats().items():
+            sums[f"mismatch/{k}"] += v * share
         loss = aggregate(tok_loss, mb.mask, norm)
         # activation checkpointing recomputes each layer's forward inside backward: it must run through the same
         # attention kernel the forward ran (the shared-prefix one), so the switch spans the backward too
         with shared_prefix(t.model) if cfg.share_prompt and cfg.activation_checkpointing else nullcontext():
             loss.backward()
-        share = float(mb.mask.sum()) / tokens  # stats are token means of the micro-batch: weight by tokens
         with torch.no_grad():
             ent = entropy_from_logits(logits.detach())
             sums["entropy"] += float((ent * mb.mask).sum()) / tokens
@@ -365,6 +413,38 @@ def greedy_eval(ctx: RunContext, model: torch.nn.Module, n: int) -> dict[str, fl
     return {f"eval/{r.metric}/{r.level or 'all'}": r.value for r in records}
 
 
+# ---- asynchronous rollouts (docs/async_rl.md) ----------------------------------------------------
+def async_metrics(index: int, item: RolloutItem, waited: float) -> dict[str, float]:
+    """Staleness of rollout `index`'s samples (all sampled by one version: mean = max) and who idled."""
+    stale = float(index - item.version)
+    return {"async/staleness_mean": stale, "async/staleness_max": stale, "async/version": float(item.version),
+            "async/wait_learner_s": waited, "async/wait_rollout_s": item.wait_s}
+
+
+def async_data_state(cfg: GRPOStage, pending: list[RolloutItem], waited: float) -> dict[str, Any]:
+    """What an async checkpoint saves beside the weights: every rollout already made and not yet trained on
+    (their policy versions are gone once the learner moves on) and the sampler where the producer left it."""
+    del waited  # the drain's wait: the learner idles once per checkpoint for the rollouts whose versions exist
+    return {"sampler": pending[-1].data_state, "async": {"max_staleness": cfg.max_staleness,
+                                                          "pending": [p.to_state() for p in pending]}}
+
+
+def resumed_rollouts(cfg: GRPOStage, data_state: dict[str, Any] | None, sampler: EpochSampler) -> list[RolloutItem]:
+    """Restore the sampler from a checkpoint's data state and return the rollouts an async checkpoint saved."""
+    if data_state is None:
+        return []
+    saved_async = "async" in data_state
+    if saved_async != bool(cfg.max_staleness) or (saved_async and data_state["async"]["max_staleness"] != cfg.max_staleness):
+        was = data_state["async"]["max_staleness"] if saved_async else 0
+        raise ValueError(f"{cfg.folder}: the checkpoint was saved with max_staleness {was}, the recipe says "
+                         f"{cfg.max_staleness}; an exact resume needs the same (or start the stage afresh)")
+    if not saved_async:
+        sampler.load_state_dict(data_state)
+        return []
+    sampler.load_state_dict(data_state["sampler"])
+    return [RolloutItem.from_state(o, GroupBatch) for o in data_state["async"]["pending"]]
+
+
 # ---- the stage -----------------------------------------------------------------------------------
 def data_parallel_problem(cfg: GRPOStage, world_size: int) -> str | None:
     """Why this stage cannot run on `world_size` ranks, or None."""
@@ -372,6 +452,7 @@ def data_parallel_problem(cfg: GRPOStage, world_size: int) -> str | None:
         return None
     prompts = cfg.batch_size // cfg.group_size
     not_yet = [what for what, on in (("dynamic_sampling", cfg.dynamic_sampling), ("env", cfg.env is not None),
+                                     (f"max_staleness {cfg.max_staleness}", cfg.max_staleness > 0),
                                      (f"backend {cfg.backend!r}", cfg.backend != "native")) if on]
     if not_yet:
         return f"{cfg.folder}: {' and '.join(not_yet)} cannot run data-parallel yet ({world_size} ranks); run it in one process"
@@ -400,9 +481,10 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
     verifiers = build_rewards(cfg.rewards)
     t = start_or_resume(ctx, cfg, data_parallel=True)
     sampler = EpochSampler(len(problems), 1, seed=ctx.recipe.seed)
-    if t.data_state is not None:
-        sampler.load_state_dict(t.data_state)
-    engine = ctx.rollout_engine(t.model, cfg.backend)
+    pending = resumed_rollouts(cfg, t.data_state, sampler)
+    # async: the rollout thread's engine samples its own copy of the weights (the native engine shares the module
+    # it is given, and the learner's moves on while the producer samples an older version); sync: the policy itself
+    engine = ctx.rollout_engine(copy.deepcopy(t.model).requires_grad_(False) if cfg.max_staleness else t.model, cfg.backend)
     ref = reference_policy(ctx, t.model) if cfg.kl_coef > 0 else None
     prompts_per_step = cfg.batch_size // cfg.group_size
     ctx.console.print(
@@ -413,22 +495,40 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
         f"dynamic sampling {f'on, ≤ {cfg.max_rounds} rounds' if cfg.dynamic_sampling else 'off'}; "
         + (f"{ctx.ranks.world_size} ranks × {prompts_per_step // ctx.ranks.world_size} prompts each; "
            if ctx.ranks.world_size > 1 else "")
+        + (f"asynchronous: rollout i sampled by the policy after max(0, i − {cfg.max_staleness}) rollout updates "
+           f"(a rollout thread); " if cfg.max_staleness else "")
+        + (f"off-policy correction {cfg.correction} (IS weight cap {cfg.is_cap:g}); " if cfg.correction != "none" else "")
         + f"rewards {', '.join(f'{r.name}×{r.weight:g}' for r in cfg.rewards)}"
         + (f"; episodes in env {cfg.env.name!r} (≤ {cfg.env.max_turns} turns of ≤ {cfg.max_new_tokens} tokens, "
            f"≤ {cfg.env.max_tokens} tokens each)" if cfg.env is not None else ""))
 
     # ---- loop ----------------------------------------------------------------------------------
     metrics: dict[str, float] = {}
+    rollouts: AsyncRollouts | None = None
     try:
+        if cfg.max_staleness:  # the producer draws from the sampler and scores with the verifiers from here on
+            rollouts = AsyncRollouts(
+                engine=engine, max_staleness=cfg.max_staleness, n_rollouts=cfg.steps // cfg.mu,
+                first_index=pending[-1].index + 1 if pending else t.step // cfg.mu, engine_version=t.step // cfg.mu,
+                produce=lambda index, _version: collect(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler,
+                                                        (index + 1) * cfg.mu, env, worker=ROLLOUT_WORKER),
+                data_state=lambda: copy.deepcopy(sampler.state_dict()),
+                phase=lambda name, step: ctx.phase(name, stage=stage, step=step, worker=ROLLOUT_WORKER),
+                step_of=lambda index: (index + 1) * cfg.mu, release_memory=cfg.release_rollout_memory, pending=pending)
         with ctx.progress() as bar:
             task = bar.add_task(stage, total=cfg.steps, completed=t.step, info="")
             while t.step < cfg.steps:
                 step = t.step + cfg.mu  # the optimizer step this rollout ends on: phases and metrics use it
+                index = t.step // cfg.mu  # the rollout update this is (0-based): the policy version it makes is index + 1
                 t0 = time.perf_counter()
-                b, got = collect(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler, step, env)
-                metrics = dict(got)
-                if cfg.release_rollout_memory:  # the engine's weight copies leave the update's memory peak; sync rebuilds them
-                    engine.release_memory()
+                if rollouts is None:
+                    b, got = collect(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler, step, env)
+                    metrics = dict(got)
+                    if cfg.release_rollout_memory:  # the engine's weight copies leave the update's memory peak; sync rebuilds them
+                        engine.release_memory()
+                else:
+                    item, waited = rollouts.get(index)
+                    b, metrics = item.batch, {**item.metrics, **async_metrics(index, item, waited)}
                 rows = ctx.ranks.sum({"rows": 0 if b is None else len(b)})["rows"]  # every rank's usable rows
                 if b is None and rows > 0:  # data-parallel: other ranks have rows, this one joins with none
                     b = GroupBatch.empty()
@@ -448,19 +548,24 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                                        cost=costs.forward(ref.config, batch=shape[0], seq_len=shape[1])), ref() as ref_model:
                             ref_logps = reference_logprobs(ref_model, b, micro, share_prompt=cfg.share_prompt,
                                                            pad_id=engine.pad_id)
+                    prox: list[Tensor] | None = [] if cfg.correction != "none" else None  # filled by the first pass
                     for it in range(cfg.mu):
                         with ctx.phase("update", stage=stage, step=step,
                                        cost=costs.train_step(t.model.config, batch=shape[0], seq_len=shape[1])):
-                            upd = update(ctx, cfg, t, b, ref_logps, variant, clip, engine.pad_id)
+                            upd = update(ctx, cfg, t, b, ref_logps, variant, clip, engine.pad_id, prox)
                         metrics.update(upd if it == 0 else {k: upd[k] for k in ("clip/low", "clip/high", "clip/approx_kl",
                                                                                     "clip/ratio_max", "train/grad_norm")})
                         metrics.update(t.guard.metrics())
-                    with ctx.phase("sync", stage=stage, step=step) as ph:  # the next rollout samples the updated policy
-                        ph.cost = costs.Cost(bytes=engine.sync_weights(t.model))
+                    if rollouts is None:
+                        with ctx.phase("sync", stage=stage, step=step) as ph:  # the next rollout samples the updated policy
+                            ph.cost = costs.Cost(bytes=engine.sync_weights(t.model))
                     if step == cfg.mu:  # once: what the phases' memory peaks are made of
                         ctx.telemetry.note_consumers(stage, step, memory.consumers(
                             weights=t.model, optimizer=t.optimizer, engine=engine,
                             reference=ref.model if ref is not None and not ref.shared else None))
+                if rollouts is not None:  # version index + 1 to the producer, even when no step was taken (it waits for it)
+                    with ctx.phase("sync", stage=stage, step=step) as ph:  # the learner's part: the snapshot copy
+                        ph.cost = costs.Cost(bytes=rollouts.publish(index + 1, t.model))
                 metrics["train/seconds_per_rollout"] = time.perf_counter() - t0
                 evaluates = bool(cfg.eval_every and ctx.recipe.evals) and (step % cfg.eval_every == 0 or step == cfg.steps)
                 if evaluates and ctx.ranks.is_main:
@@ -472,8 +577,11 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                 bar.update(task, completed=t.step, info=f"reward {metrics.get('reward/total', float('nan')):.3f}  "
                                                        f"pass {metrics['reward/pass_rate']:.2f}")
                 if t.step % cfg.save_every == 0 and t.step < cfg.steps:
-                    save(ctx, cfg, t, data_state=sampler.state_dict())
+                    save(ctx, cfg, t, data_state=sampler.state_dict() if rollouts is None else
+                         async_data_state(cfg, *rollouts.drain(index + 1)))
     finally:
+        if rollouts is not None:  # first: the producer uses the verifiers and the environment
+            rollouts.close()
         close_rewards(verifiers)
         if env is not None:
             env.close()
