@@ -16,7 +16,7 @@ from typing import Any
 MAX_POINTS = 400  # per series; 2 points (min, max) per bucket
 
 # Keys that are not curves of the stage: the phase table and the busy line are drawn elsewhere.
-_SKIP_PREFIXES = ("phase/", "telemetry/")
+_SKIP_PREFIXES = ("phase/", "phase@", "telemetry/")
 _SKIP_KEYS = {"stage", "step", "time"}
 # Order of the small multiples: what the stage optimizes first, its optimizer's state last.
 _ORDER = ("loss/", "eval/", "reward/", "gold/", "rm/", "kl", "entropy", "length", "train/")

@@ -4,10 +4,9 @@ Rank 0 alone writes the run folder (docs/distributed.md). The other ranks time t
 (`RankTelemetry`: a `Telemetry` with no run folder whose records are kept until gathered, each
 relabelled worker `rank<r>`; the pipeline makes one on every rank > 0), and at every logged step all ranks meet in `gather_phases` — one
 `torch.distributed.gather_object` to rank 0 — where rank 0 maps each record onto its own clock and adds
-it with `Telemetry.record_external`: written to phases.jsonl, folded into the step's `phase/…` metrics
-(which therefore sum over the ranks: `phase/update/seconds` is device-seconds, and a rate — ΣFLOPs /
-Σseconds — is the mean per-device rate, against one device's roof), and drawn as its own lane in the
-report (posttrain/telemetry/lanes.py).
+it with `Telemetry.record_external`: written to phases.jsonl, folded into the step's metrics under
+`phase@rank<r>/…` (rank 0's own stay `phase/…`), and drawn as its own lane in the report
+(posttrain/telemetry/lanes.py).
 
 The collective is a synchronization point: every rank must call `gather_phases` at the same logged
 steps, in the same order — `RunContext.log` calls it, so the stages log at rank-independent steps.
