@@ -3,6 +3,7 @@ idle time and the gold metric after the same number of samples, side by side (do
 
     python benchmarks/async_rl.py --start runs/demo/checkpoints/sft/final          # the demo's SFT checkpoint
     python benchmarks/async_rl.py --seeds 0 1 --ks 0 1 2 --steps 100 --threads 1
+    python benchmarks/async_rl.py --placement split …   # the rollout engine on a Ray actor (docs/placement.md)
 
 The stage is recipes/rlvr-arithmetic.yaml's GRPO (DAPO loss, G = 8, 16 prompts per step, dynamic sampling
 ≤ 2 rounds, lr 7e-5) from an SFT checkpoint (`--start`; without it quickstart's pretrain + SFT are run
@@ -80,6 +81,8 @@ def main() -> None:
     ap.add_argument("--per-level", type=int, default=500)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--measure-only", action="store_true", help="re-read the run folders under --out, run nothing")
+    ap.add_argument("--placement", choices=["local", "split"], default="local",
+                    help="split: the rollout engine on one Ray actor (its own process), the learner here (docs/placement.md)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     transformers.utils.logging.disable_progress_bar()
@@ -102,6 +105,8 @@ def main() -> None:
             over = [f"model.init={start}", f"seed={seed}", f"threads={a.threads}", f"stages.0.steps={a.steps}",
                     f"stages.0.max_staleness={k}", f"stages.0.save_every={a.steps}",
                     f"evals.0.levels={json.dumps(a.levels)}", f"evals.0.per_level={a.per_level}"]
+            if a.placement == "split":
+                over.append('placement={"mode": "split", "rollout_workers": 1}')
             rl = load_recipe(RECIPES / "rlvr-arithmetic.yaml", over)
             run_dir = a.out / f"seed{seed}-k{k}"
             t0 = time.perf_counter()

@@ -272,6 +272,8 @@ class RayRolloutEngine:
     `options["dtype"]` is also the dtype the weights travel in (a bf16-sampling engine gets bf16).
     worker_cls: the actor body (tests pass a subclass that is slow on purpose)."""
 
+    remote = True  # the decode runs in other processes: a caller's phases around it are waits
+
     def __init__(self, model: nn.Module, tokenizer: Any, *, placement: Placement, backend: str = "native",
                  options: dict[str, Any] | None = None, worker_cls: type = RolloutWorker):
         self._ray = _ray()

@@ -36,7 +36,15 @@ from torch import Tensor, nn
 
 from posttrain.telemetry.costs import Cost
 
-ROLLOUT_WORKER = "rollout0"
+ROLLOUT_WORKER = "rollout0"  # the producer thread, when it runs the engine itself
+DISPATCH_WORKER = "dispatch"  # the producer thread, when the engine's workers are elsewhere (Ray actors: rollout<k>)
+
+
+def producer_worker(engine: Any) -> str:
+    """The worker name of the producer thread's phases: it is the rollout worker when the engine decodes in
+    this process; when the engine is placed elsewhere (`engine.remote`), its phases are the waits for the
+    remote workers, whose own phases arrive as `rollout<k>`."""
+    return DISPATCH_WORKER if getattr(engine, "remote", False) else ROLLOUT_WORKER
 
 
 def behaviour_version(index: int, max_staleness: int) -> int:

@@ -84,7 +84,7 @@ from posttrain.runtime.context import RunContext, StageResult, eval_plan
 from posttrain.rewards import CombinedRewards, WeightedVerifier
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams
 from posttrain.rollout.text import positions_from_mask
-from posttrain.stages._async_rollout import ROLLOUT_WORKER, AsyncRollouts, RolloutItem
+from posttrain.stages._async_rollout import AsyncRollouts, RolloutItem, producer_worker
 from posttrain.stages._episodes import build_env, collect_episode_groups
 from posttrain.stages._rlvr import (
     build_rewards,
@@ -511,9 +511,9 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                 engine=engine, max_staleness=cfg.max_staleness, n_rollouts=cfg.steps // cfg.mu,
                 first_index=pending[-1].index + 1 if pending else t.step // cfg.mu, engine_version=t.step // cfg.mu,
                 produce=lambda index, _version: collect(ctx, cfg, engine, verifiers, variant, problems, prompts, sampler,
-                                                        (index + 1) * cfg.mu, env, worker=ROLLOUT_WORKER),
+                                                        (index + 1) * cfg.mu, env, worker=producer_worker(engine)),
                 data_state=lambda: copy.deepcopy(sampler.state_dict()),
-                phase=lambda name, step: ctx.phase(name, stage=stage, step=step, worker=ROLLOUT_WORKER),
+                phase=lambda name, step: ctx.phase(name, stage=stage, step=step, worker=producer_worker(engine)),
                 step_of=lambda index: (index + 1) * cfg.mu, release_memory=cfg.release_rollout_memory, pending=pending)
         with ctx.progress() as bar:
             task = bar.add_task(stage, total=cfg.steps, completed=t.step, info="")
