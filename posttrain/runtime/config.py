@@ -459,6 +459,13 @@ class DoctorConfig(Strict):
     every: int = Field(5, gt=0, description="run the rules every N logged records of a stage (cost: docs/doctor.md)")
 
 
+# ---- data-parallel training (docs/distributed.md; the fsdp branch owns this block) ------------------------
+class DistributedConfig(Strict):
+    """How the training stages use the ranks torchrun starts (one process: the plain model either way)."""
+
+    strategy: Literal["replicate", "fsdp"] = Field("replicate", description="replicate: every rank holds the whole model and AdamW state, gradients summed once per step; fsdp: parameters, gradients and AdamW state sharded over the ranks (FSDP2 fully_shard per decoder layer), checkpoints sharded through torch.distributed.checkpoint")
+
+
 class Recipe(Strict):
     name: str = Field("run", description="run folder name under runs/")
     seed: int = Field(0, description="seeds the model init and every RNG")
@@ -470,6 +477,7 @@ class Recipe(Strict):
     evals: list[EvalSpec] = Field(default_factory=list, description="held-out evals after every stage (and of a loaded start): exactly these, none by default")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     doctor: DoctorConfig = Field(default_factory=DoctorConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="data-parallel strategy when launched on several ranks (docs/distributed.md)")
     stages: list[Stage] = Field(min_length=1, description="the stages in order; an item `rounds: {repeat: N, stages: [...]}` is that block N times (docs/rounds.md)")
 
     @model_validator(mode="before")
