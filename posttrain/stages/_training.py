@@ -327,6 +327,24 @@ def reduce_gradients(t: Trainer, ranks: World) -> None:
         all_reduce_gradients(ranks, t.model)
 
 
+def rollout_policy(ctx: RunContext, t: Trainer) -> torch.nn.Module:
+    """The module a rollout engine samples from (and rank 0's in-stage evals read): the policy itself; with
+    sharded weights, an unsharded frozen copy — the start's architecture with the policy's current
+    weights, gathered here (a collective) and reloaded at every `sync` (`policy_weights`)."""
+    if not t.sharded:
+        return t.model
+    copy = ctx.load_model(ctx.start).requires_grad_(False)
+    copy.load_state_dict(full_state_dict(t.model))  # a resumed policy is not the start: its weights now
+    return copy
+
+
+def policy_weights(t: Trainer) -> torch.nn.Module | dict[str, torch.Tensor]:
+    """What `RolloutEngine.sync_weights` loads after an update: the policy module (the engine shares it:
+    nothing moves), or with sharded weights the whole weights, all-gathered on every rank (a collective;
+    its cost is the `sync` phase's)."""
+    return full_state_dict(t.model) if t.sharded else t.model
+
+
 def micro_batch_sync(t: Trainer, index: int, count: int) -> None:
     """Before micro-batch `index` of the `count` this rank runs in a step: FSDP reduce-scatters only the
     last one's backward (`distributed.fsdp.gradient_sync`); no-op when replicated."""

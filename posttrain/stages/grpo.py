@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from posttrain.data import EpochSampler, Problem
-from posttrain.distributed import DistributedError, World, all_reduce_gradients, shard_range
+from posttrain.distributed import DistributedError, World, shard_range
 from posttrain.envs import Episode, EpisodeEnd, EnvironmentFactory, pad_episodes
 from posttrain.losses import (
     AGGREGATIONS,
@@ -86,7 +86,19 @@ from posttrain.stages._rlvr import (
 )
 from posttrain.models.prefix_attention import shared_prefix
 from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
-from posttrain.stages._training import Trainer, next_step, optimizer_step, reference_policy, save, start_or_resume
+from posttrain.stages._training import (
+    Trainer,
+    idle_micro_batches,
+    micro_batch_sync,
+    next_step,
+    optimizer_step,
+    policy_weights,
+    reduce_gradients,
+    reference_policy,
+    rollout_policy,
+    save,
+    start_or_resume,
+)
 from posttrain.telemetry import costs, memory
 
 
@@ -312,7 +324,10 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
     sums = {"loss/policy": 0.0, "kl": 0.0, "entropy": 0.0, "clip/low": 0.0, "clip/high": 0.0, "clip/approx_kl": 0.0}
     ratio_max = 0.0
     tokens = norm.num_tokens
-    for i in range(0, len(b), micro):
+    mine = math.ceil(len(b) / micro)  # FSDP: every rank runs as many micro-batches as the busiest (a sync point)
+    count = int(ctx.ranks.max({"micro": mine})["micro"]) if t.sharded else mine
+    for j, i in enumerate(range(0, len(b), micro)):
+        micro_batch_sync(t, j, count)
         mb, sl = b.rows(slice(i, i + micro)), slice(i, i + micro)
         with ctx.autocast():
             logits = completion_logits(t.model, mb, share_prompt=cfg.share_prompt, pad_id=pad_id)  # (r, N, V)
@@ -336,7 +351,8 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
         sums["clip/high"] += f["clip_frac_high"] * share
         sums["clip/approx_kl"] += f["approx_kl"] * share
         ratio_max = max(ratio_max, f["ratio_max"])
-    all_reduce_gradients(ctx.ranks, t.model)  # the step's gradient: every rank's rows (a sync point)
+    idle_micro_batches(t, mine, count, b.input_ids.device)
+    reduce_gradients(t, ctx.ranks)  # the step's gradient: every rank's rows (a sync point)
     sums = ctx.ranks.sum(sums)  # each is this rank's part of the whole batch's value
     ratio_max = ctx.ranks.max({"ratio_max": ratio_max})["ratio_max"]
     grad_norm = optimizer_step(t, cfg.optim, {"loss/policy": sums["loss/policy"]})
@@ -398,11 +414,12 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
             raise
     prompts = encode_problems(problems, tok, cfg.max_prompt_len) if env is None else []
     verifiers = build_rewards(cfg.rewards)
-    t = start_or_resume(ctx, cfg, data_parallel=True)
+    t = start_or_resume(ctx, cfg, data_parallel=True, shardable=True)
     sampler = EpochSampler(len(problems), 1, seed=ctx.recipe.seed)
     if t.data_state is not None:
         sampler.load_state_dict(t.data_state)
-    engine = ctx.rollout_engine(t.model, cfg.backend)
+    sampler_model = rollout_policy(ctx, t)  # the policy itself; FSDP: an unsharded copy, loaded at each sync
+    engine = ctx.rollout_engine(sampler_model, cfg.backend)
     ref = reference_policy(ctx, t.model) if cfg.kl_coef > 0 else None
     prompts_per_step = cfg.batch_size // cfg.group_size
     ctx.console.print(
@@ -456,15 +473,15 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                                                                                     "clip/ratio_max", "train/grad_norm")})
                         metrics.update(t.guard.metrics())
                     with ctx.phase("sync", stage=stage, step=step) as ph:  # the next rollout samples the updated policy
-                        ph.cost = costs.Cost(bytes=engine.sync_weights(t.model))
-                    if step == cfg.mu:  # once: what the phases' memory peaks are made of
+                        ph.cost = costs.Cost(bytes=engine.sync_weights(policy_weights(t)))
+                    if step == cfg.mu and not t.sharded:  # once: what the phases' memory peaks are made of (not of DTensor shards yet)
                         ctx.telemetry.note_consumers(stage, step, memory.consumers(
                             weights=t.model, optimizer=t.optimizer, engine=engine,
                             reference=ref.model if ref is not None and not ref.shared else None))
                 metrics["train/seconds_per_rollout"] = time.perf_counter() - t0
                 if cfg.eval_every and ctx.ranks.is_main and (step % cfg.eval_every == 0 or step == cfg.steps):
                     with ctx.phase("eval", stage=stage, step=step):
-                        metrics.update(greedy_eval(ctx, t.model, cfg.eval_problems))
+                        metrics.update(greedy_eval(ctx, sampler_model, cfg.eval_problems))
                 if (step // cfg.mu) % cfg.log_every == 0 or step == cfg.steps or any(k.startswith("eval/") for k in metrics):
                     ctx.log(stage, step, metrics)
                 bar.update(task, completed=t.step, info=f"reward {metrics.get('reward/total', float('nan')):.3f}  "
