@@ -323,3 +323,30 @@ def test_cli_refuses_a_stage_that_is_not_data_parallel(tmp_path):
     said = run_ranks(2, _write(tmp_path, d), out, ok=False)
     assert "stages[1] (prefs): the dpo stage does not run data-parallel yet" in said
     assert not out.exists()  # refused before anything was written
+
+
+# ---- `posttrain run --nproc N` ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_run_nproc_two_launches_torchrun_itself(tmp_path):
+    # with as many micro-batches as ranks each rank runs exactly one of the micro-batches one process
+    # runs, and the sum of 2 gradients is the same float addition in either order: bitwise equal weights
+    d = sft_recipe()
+    d["stages"][0].update(grad_accum=2, steps=3, save_every=10)
+    recipe = _write(tmp_path, d)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_one(recipe, one)
+    said = run_one(recipe, two, "--nproc", "2")
+    assert "launching 2 ranks: torchrun --standalone --nproc-per-node 2 -m posttrain.cli run" in said
+    assert "on 2 ranks (gloo)" in said and "in 2 micro-batches (2 ranks × 1 of 4 sequences)" in said
+    assert max_diff(weights(one, "sft"), weights(two, "sft")) == 0.0
+    assert rows(two) == rows(one)
+
+
+def test_run_nproc_refuses_a_recipe_before_starting_ranks(tmp_path):
+    d = sft_recipe()
+    d["stages"][0].update(batch_size=6, grad_accum=3)  # 3 micro-batches → 4 on 2 ranks: 6 does not split
+    out = tmp_path / "run"
+    r = _run([sys.executable, "-m", "posttrain.cli", "run", str(_write(tmp_path, d)), "--out", str(out), "--nproc", "2"])
+    assert r.returncode == 2, r.stdout[-2000:]
+    assert "batch_size 6 does not split into 4 micro-batches" in r.stdout and "launching" not in r.stdout
+    assert not out.exists()

@@ -320,6 +320,22 @@ def save(ctx: RunContext, cfg: TrainStage, t: Trainer, *, data_state: dict[str, 
     return path
 
 
+def micro_batch_count(grad_accum: int, world_size: int) -> int:
+    """Micro-batches per optimizer step over all ranks: `grad_accum`, rounded up to a multiple of the world
+    size so that every rank runs as many (one process: `grad_accum`)."""
+    return world_size * math.ceil(grad_accum / world_size)
+
+
+def batch_split_problem(cfg: TrainStage, world_size: int, what: str = "items") -> str | None:
+    """Why `cfg.batch_size` cannot be cut into `micro_batch_count` equal micro-batches dealt over
+    `world_size` ranks (None: it can)."""
+    m = micro_batch_count(cfg.grad_accum, world_size)
+    if cfg.batch_size % m:
+        return (f"{cfg.folder}: batch_size {cfg.batch_size} ({what}) does not split into {m} micro-batches "  # type: ignore[attr-defined]
+                f"({world_size} ranks × {m // world_size}); make it a multiple of {m}")
+    return None
+
+
 def reduce_gradients(t: Trainer, ranks: World) -> None:
     """After the step's last backward: replicated, sum the gradients over the ranks (a sync point);
     sharded, nothing — FSDP reduce-scattered them in that backward."""
