@@ -102,33 +102,42 @@ def test_sft_fsdp_two_ranks_equal_one_process(sft_runs):
 
 
 @pytest.mark.slow
-def test_sft_fsdp_resume_two_to_two_and_two_to_one(sft_runs, tmp_path):
-    """Killed after step 3 at 2 FSDP ranks; resumed at 2 ranks (bitwise: the same shards, the same
-    micro-batches), and by one process under fsdp and under replicate (torch.distributed.checkpoint
-    reshards the 2 ranks' pieces into whole tensors)."""
+def test_sft_fsdp_resume_two_to_two_is_exact(sft_runs, tmp_path):
+    """Killed after step 3 at 2 FSDP ranks, resumed at 2: the same shards, the same micro-batches — bitwise."""
     two = sft_runs["two"]
-    for name, launch in (("fsdp-2", lambda out: run_ranks(2, sft_runs["fsdp_recipe"], out, "--resume")),
-                         ("fsdp-1", lambda out: run_one(sft_runs["fsdp_recipe"], out, "--resume")),
+    out = killed_after_step_3(two, tmp_path / "fsdp-2")
+    assert "resuming sft from step-000003" in run_ranks(2, sft_runs["fsdp_recipe"], out, "--resume")
+    d = max_diff(weights(two, "sft"), weights(out, "sft"))
+    print(f"SFT killed after step 3 at fsdp-2, resumed at fsdp-2: max |w − w(fsdp-2, uninterrupted)| = {d:.3g}")
+    assert rows(out) == rows(two) and d == 0.0
+
+
+@pytest.mark.slow
+def test_sft_fsdp_resume_two_to_one(sft_runs, tmp_path):
+    """Killed after step 3 at 2 FSDP ranks, resumed by one process under fsdp and under replicate
+    (torch.distributed.checkpoint reassembles the 2 ranks' pieces into whole tensors)."""
+    two = sft_runs["two"]
+    for name, launch in (("fsdp-1", lambda out: run_one(sft_runs["fsdp_recipe"], out, "--resume")),
                          ("replicate-1", lambda out: run_one(sft_runs["recipe"], out, "--resume"))):
         out = killed_after_step_3(two, tmp_path / name)
         assert "resuming sft from step-000003" in launch(out)
         d = max_diff(weights(two, "sft"), weights(out, "sft"))
         print(f"SFT killed after step 3 at fsdp-2, resumed at {name}: max |w − w(fsdp-2, uninterrupted)| = {d:.3g}")
-        assert rows(out) == rows(two)
-        assert d == 0.0 if name == "fsdp-2" else d <= ROUND_OFF
+        assert rows(out) == rows(two) and d <= ROUND_OFF
 
 
 @pytest.mark.slow
-def test_sft_resume_one_to_two_replicate_and_fsdp(sft_runs, tmp_path):
+@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
+def test_sft_resume_one_to_two(sft_runs, tmp_path, strategy):
     """Killed after step 3 in one process (replicate: HF weights + the whole AdamW state), resumed at 2
-    replicated ranks and at 2 FSDP ranks (the whole optimizer state sharded on load)."""
+    replicated ranks, and at 2 FSDP ranks (the whole optimizer state sharded on load)."""
     one = sft_runs["one"]
-    for name, recipe in (("replicate-2", sft_runs["recipe"]), ("fsdp-2", sft_runs["fsdp_recipe"])):
-        out = killed_after_step_3(one, tmp_path / name)
-        assert "resuming sft from step-000003" in run_ranks(2, recipe, out, "--resume")
-        d = max_diff(weights(one, "sft"), weights(out, "sft"))
-        print(f"SFT killed after step 3 in 1 process (replicate), resumed at {name}: max |w − w(1 process)| = {d:.3g}")
-        assert rows(out) == rows(one) and d <= ROUND_OFF
+    out = killed_after_step_3(one, tmp_path / strategy)
+    recipe = sft_runs["recipe" if strategy == "replicate" else "fsdp_recipe"]
+    assert "resuming sft from step-000003" in run_ranks(2, recipe, out, "--resume")
+    d = max_diff(weights(one, "sft"), weights(out, "sft"))
+    print(f"SFT killed after step 3 in 1 process (replicate), resumed at {strategy}-2: max |w − w(1 process)| = {d:.3g}")
+    assert rows(out) == rows(one) and d <= ROUND_OFF
 
 
 @pytest.mark.slow

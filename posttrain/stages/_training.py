@@ -222,7 +222,7 @@ def start_or_resume(ctx: RunContext, cfg: TrainStage,
     scheduler = warmup_cosine(optimizer, cfg.optim, cfg.steps)
     t = Trainer(model, optimizer, scheduler, step=0, data_state=None, guard=NumericGuard(cfg.optim.max_nonfinite_skips),
                 name=cfg.folder, stage_dir=ctx.stage_dir(cfg.folder), say=ctx.console.print,
-                sharded_checkpoints=fsdp and shardable)
+                sharded_checkpoints=fsdp and shardable and spec is None)  # LoRA: its adapter, as always
     if resume_from is None:
         return t
     state = load_state(resume_from)
