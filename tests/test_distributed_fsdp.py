@@ -155,16 +155,26 @@ def test_sft_fsdp_one_process_writes_shards_that_two_ranks_resume(sft_runs, tmp_
     assert d <= ROUND_OFF
 
 
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory) -> dict[str, Path]:
+    """The GRPO recipe of tests/test_distributed.py (4 steps, checkpoint at step 2): one process
+    (replicate) and 2 ranks with FSDP, run once for the module."""
+    tmp = tmp_path_factory.mktemp("fsdp_grpo")
+    out = {"recipe": _write(tmp, grpo_recipe()), "fsdp_recipe": _write(tmp, fsdp(grpo_recipe()), "fsdp.yaml"),
+           "one": tmp / "one", "two": tmp / "two"}
+    run_one(out["recipe"], out["one"])
+    said = run_ranks(2, out["fsdp_recipe"], out["two"])
+    assert "grpo: FSDP2 over 2 ranks" in said and "2 ranks × 2 prompts each" in said
+    return out
+
+
 @pytest.mark.slow
-def test_grpo_fsdp_two_ranks_equal_one_process(tmp_path):
+def test_grpo_fsdp_two_ranks_equal_one_process(grpo_runs):
     """GRPO under FSDP2: the rollout engine samples from an unsharded copy loaded at each `sync` with
     the gathered weights. The bound is the replicated test's (tests/test_distributed.py): GRPO's
     gradient sums terms that cancel, so a different order of additions shows more than in SFT; there,
     one process with grad_accum 4 → 2 moved the final weights by 5.4e-5."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_one(_write(tmp_path, grpo_recipe()), one)
-    said = run_ranks(2, _write(tmp_path, fsdp(grpo_recipe()), "fsdp.yaml"), two)
-    assert "grpo: FSDP2 over 2 ranks" in said and "2 ranks × 2 prompts each" in said
+    one, two = grpo_runs["one"], grpo_runs["two"]
     diff = max_diff(weights(one, "grpo"), weights(two, "grpo"))
     moved = max_diff(weights(one, "grpo"), weights(one, "base"))
     syncs = {name: [r["seconds"] for r in map(json.loads, (run / "phases.jsonl").read_text().splitlines())
@@ -175,3 +185,20 @@ def test_grpo_fsdp_two_ranks_equal_one_process(tmp_path):
     assert moved > 1e-3 and diff <= 5e-4  # 10× that regrouping, as the replicated test allows
     assert rows(two) == rows(one) == [("grpo", s) for s in range(1, 5)]
     assert len(syncs["two"]) == 4
+
+
+@pytest.mark.slow
+def test_grpo_fsdp_resume_two_to_two_and_two_to_one(grpo_runs, tmp_path):
+    """GRPO killed after its step-2 checkpoint at 2 FSDP ranks; resumed at 2 FSDP ranks (bitwise: the
+    engine's copy is loaded from the resumed shards) and by one replicate process."""
+    two = grpo_runs["two"]
+    for name, launch in (("fsdp-2", lambda out: run_ranks(2, grpo_runs["fsdp_recipe"], out, "--resume")),
+                         ("replicate-1", lambda out: run_one(grpo_runs["recipe"], out, "--resume"))):
+        out = tmp_path / name
+        shutil.copytree(two, out)
+        shutil.rmtree(out / "checkpoints" / "grpo" / "final")
+        assert "resuming grpo from step-000002" in launch(out)
+        d = max_diff(weights(two, "grpo"), weights(out, "grpo"))
+        print(f"GRPO killed after step 2 at fsdp-2, resumed at {name}: max |w − w(fsdp-2, uninterrupted)| = {d:.3g}")
+        assert rows(out) == rows(two)
+        assert d == 0.0 if name == "fsdp-2" else d <= 1e-5  # the replicated test's 2 → 1 resume: 2.4e-7
