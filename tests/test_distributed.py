@@ -102,9 +102,9 @@ DATA = [{"task": "arithmetic", "n": 64}]
 def test_stages_that_are_not_data_parallel_are_refused_by_name():
     sft = {"stage": "sft", "batch_size": 8, "grad_accum": 1, "data": DATA}
     check_data_parallel(_recipe(sft), 2)  # 8 sequences: 2 ranks × 1 micro-batch of 4
-    with pytest.raises(RunError, match=r"stages\[1\] \(rl\): the ppo stage does not run data-parallel yet"):
-        check_data_parallel(_recipe(sft, {"stage": "ppo", "name": "rl", "data": DATA}), 2)
-    check_data_parallel(_recipe(sft, {"stage": "ppo", "data": DATA}), 1)  # one process runs everything
+    with pytest.raises(RunError, match=r"stages\[1\] \(rs\): the rejection_sampling stage does not run data-parallel yet"):
+        check_data_parallel(_recipe(sft, {"stage": "rejection_sampling", "name": "rs", "data": DATA}), 2)
+    check_data_parallel(_recipe(sft, {"stage": "rejection_sampling", "data": DATA}), 1)  # one process runs everything
     check_data_parallel(_recipe(sft, {"stage": "dpo", "batch_size": 8, "grad_accum": 2, "data": DATA}), 2)
     with pytest.raises(RunError, match=r"stages\[1\] \(dpo\): dpo: batch_size 6 \(pairs\) does not split into 4"):
         check_data_parallel(_recipe(sft, {"stage": "dpo", "batch_size": 6, "grad_accum": 3, "data": DATA}), 2)
@@ -321,10 +321,10 @@ def test_grpo_two_ranks_equal_one_process_and_resume_at_two_and_one(tmp_path):
 @pytest.mark.slow
 def test_cli_refuses_a_stage_that_is_not_data_parallel(tmp_path):
     d = sft_recipe()
-    d["stages"].append({"stage": "ppo", "name": "rl", "steps": 2, "data": [{"task": "arithmetic", "n": 32}]})
+    d["stages"].append({"stage": "rejection_sampling", "name": "rs", "data": [{"task": "arithmetic", "n": 32}]})
     out = tmp_path / "run"
     said = run_ranks(2, _write(tmp_path, d), out, ok=False)
-    assert "stages[1] (rl): the ppo stage does not run data-parallel yet" in said
+    assert "stages[1] (rs): the rejection_sampling stage does not run data-parallel yet" in said
     assert not out.exists()  # refused before anything was written
 
 

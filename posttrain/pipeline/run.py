@@ -40,7 +40,13 @@ from posttrain.tasks import Capability, TaskSet
 from posttrain.tasks.base import RECORD_KINDS
 from posttrain.tasks.records import EvalRecord
 from posttrain.stages.pretrain import run_pretrain
-from posttrain.stages import dpo as dpo_stage, grpo as grpo_stage, reward_model as reward_model_stage, sft as sft_stage
+from posttrain.stages import (
+    dpo as dpo_stage,
+    grpo as grpo_stage,
+    ppo as ppo_stage,
+    reward_model as reward_model_stage,
+    sft as sft_stage,
+)
 from posttrain.stages.sft import run_sft
 from posttrain.stages.reward_model import run_reward_model
 from posttrain.stages.dpo import run_dpo
@@ -62,7 +68,8 @@ STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft"
 DATA_PARALLEL: dict[str, Callable[..., str | None]] = {"sft": sft_stage.data_parallel_problem,
                                                        "grpo": grpo_stage.data_parallel_problem,
                                                        "dpo": dpo_stage.data_parallel_problem,
-                                                       "reward_model": reward_model_stage.data_parallel_problem}
+                                                       "reward_model": reward_model_stage.data_parallel_problem,
+                                                       "ppo": ppo_stage.data_parallel_problem}
 # The stages that also run with `distributed.strategy: fsdp` (FSDP2; docs/distributed.md).
 SHARDABLE = ("sft", "grpo")
 __all__ = ["BASE", "DATA_PARALLEL", "RunError", "STAGES", "run_pipeline"]
