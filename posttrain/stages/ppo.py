@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from posttrain.data import EpochSampler, encode_prompt, read_jsonl
-from posttrain.distributed import DistributedError, World, all_reduce_gradients, shard_range
+from posttrain.distributed import DistributedError, World, all_reduce_gradients, check_replicas_agree, shard_range
 from posttrain.data.records import Problem
 from posttrain.losses import (
     AdaptiveKLController,
@@ -350,9 +350,11 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                 ctx.log(cfg.folder, step, metrics)
             bar.update(task, completed=step, info=f"rm {metrics['rm/score']:+.2f}  gold {metrics.get('gold/reward', float('nan')):.2f}  kl {rows['kl']:.2f}")
             if step % cfg.save_every == 0 and step < cfg.steps:
+                check_replicas_agree(ranks, critic, f"{cfg.folder} critic step {step}")  # `save` checks the policy
                 save(ctx, cfg, t, data_state=data_state())
 
     # ---- save ----------------------------------------------------------------------------------
+    check_replicas_agree(ranks, critic, f"{cfg.folder} critic step {t.step}")  # `save` checks the policy
     final = save(ctx, cfg, t, data_state=data_state(), final=True)
     summary = {k: v for k, v in metrics.items() if k.startswith(("eval/", "rm/", "gold/", "kl"))}
     return StageResult(final, summary)
