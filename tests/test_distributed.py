@@ -345,7 +345,7 @@ def test_run_nproc_two_launches_torchrun_itself(tmp_path):
     assert rows(two) == rows(one)
 
 
-@pytest.mark.slow  # a CLI start: 24 s measured on the loaded 2 cores
+@pytest.mark.slow  # a CLI start: 8–24 s measured on the shared 2 cores, depending on their load
 def test_run_nproc_refuses_a_recipe_before_starting_ranks(tmp_path):
     d = sft_recipe()
     d["stages"][0].update(batch_size=6, grad_accum=3)  # 3 micro-batches → 4 on 2 ranks: 6 does not split
