@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -102,9 +103,41 @@ def run(
     overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides, e.g. stages.1.steps=50")] = None,
     out: Annotated[Path | None, typer.Option(help="run folder (default runs/<recipe name>)")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run in --out from its newest checkpoint")] = False,
+    nproc: Annotated[int, typer.Option(min=1, help="data-parallel ranks on this machine: launches torchrun (torch.distributed.run) with the same arguments (docs/distributed.md); 1 = a plain run")] = 1,
 ) -> None:
     """Run a recipe."""
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        _launch_ranks(nproc, recipe, overrides or [])
+    if "WORLD_SIZE" in os.environ and nproc > 1 and int(os.environ["WORLD_SIZE"]) != nproc:
+        console.print(f"[bold red]error:[/] --nproc {nproc}, but this process is one of WORLD_SIZE={os.environ['WORLD_SIZE']} "
+                      f"ranks already (started by torchrun); drop --nproc or torchrun")
+        raise typer.Exit(2)
     _run(recipe, out, resume, overrides or [], fresh=False)
+
+
+def _launch_ranks(nproc: int, recipe: Path, overrides: list[str]) -> None:
+    """`posttrain run --nproc N …`: check the recipe here (a bad one is one line, before any rank starts),
+    then replace this process by `torchrun --standalone --nproc-per-node N -m posttrain.cli run …` with the
+    other arguments as given; torchrun's exit status is the command's."""
+    from posttrain.pipeline.run import check_data_parallel
+    from posttrain.runtime.config import load_recipe
+
+    loaded = _guard(lambda: load_recipe(recipe, overrides))
+    _guard(lambda: check_data_parallel(loaded, nproc))
+    args = sys.argv[sys.argv.index("run") + 1 :] if "run" in sys.argv else []
+    kept, skip = [], False
+    for a in args:  # the same arguments, without --nproc (each rank is one process of the N)
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            kept.append(a)
+    console.print(f"[dim]launching {nproc} ranks: torchrun --standalone --nproc-per-node {nproc} -m posttrain.cli run "
+                  f"{' '.join(kept)}")
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                              str(nproc), "-m", "posttrain.cli", "run", *kept])
 
 
 @app.command("eval")

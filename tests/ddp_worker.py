@@ -9,6 +9,10 @@ writing (the JSONL sinks, JSON files, the recipe), `os.mkdir` (a checkpoint's te
 safetensors and torch.save write into it), `os.rename` / `os.replace` (publishing), `os.remove`,
 `os.rmdir`, `shutil.rmtree`, `os.truncate`. Writes from native code that no Python call precedes would
 escape it; ours all start with one of these.
+
+One exception, by design: a sharded checkpoint (`distributed.strategy: fsdp`) is written by every rank —
+each its own `__<rank>_0.distcp` — into the staging folder `checkpoints/<stage>/.shards-<name>/` that
+rank 0 made; rank 0 alone publishes it. Writes inside such a folder are allowed; nothing else is.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ def forbid_writes_under(root: str, rank: str) -> None:
         if not isinstance(path, (str, bytes, os.PathLike)):
             return False  # a file descriptor
         p = os.path.abspath(os.fsdecode(path))
-        return p == root or p.startswith(root + os.sep)
+        if not (p == root or p.startswith(root + os.sep)):
+            return False
+        parts = p[len(root):].split(os.sep)
+        return not any(part.startswith(".shards-") for part in parts[:-1])  # a rank's own shard file
 
     def hook(event: str, args: tuple) -> None:
         if event == "open":

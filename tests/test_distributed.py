@@ -102,9 +102,12 @@ DATA = [{"task": "arithmetic", "n": 64}]
 def test_stages_that_are_not_data_parallel_are_refused_by_name():
     sft = {"stage": "sft", "batch_size": 8, "grad_accum": 1, "data": DATA}
     check_data_parallel(_recipe(sft), 2)  # 8 sequences: 2 ranks × 1 micro-batch of 4
-    with pytest.raises(RunError, match=r"stages\[1\] \(prefs\): the dpo stage does not run data-parallel yet"):
-        check_data_parallel(_recipe(sft, {"stage": "dpo", "name": "prefs", "data": DATA}), 2)
-    check_data_parallel(_recipe(sft, {"stage": "dpo", "data": DATA}), 1)  # one process runs everything
+    with pytest.raises(RunError, match=r"stages\[1\] \(rs\): the rejection_sampling stage does not run data-parallel yet"):
+        check_data_parallel(_recipe(sft, {"stage": "rejection_sampling", "name": "rs", "data": DATA}), 2)
+    check_data_parallel(_recipe(sft, {"stage": "rejection_sampling", "data": DATA}), 1)  # one process runs everything
+    check_data_parallel(_recipe(sft, {"stage": "dpo", "batch_size": 8, "grad_accum": 2, "data": DATA}), 2)
+    with pytest.raises(RunError, match=r"stages\[1\] \(dpo\): dpo: batch_size 6 \(pairs\) does not split into 4"):
+        check_data_parallel(_recipe(sft, {"stage": "dpo", "batch_size": 6, "grad_accum": 3, "data": DATA}), 2)
     with pytest.raises(RunError, match="batch_size 6 does not split into 4 micro-batches"):
         check_data_parallel(_recipe({**sft, "batch_size": 6, "grad_accum": 3}), 2)  # 3 → 2 ranks × 2
     grpo = {"stage": "grpo", "batch_size": 16, "group_size": 4, "data": DATA}
@@ -318,8 +321,36 @@ def test_grpo_two_ranks_equal_one_process_and_resume_at_two_and_one(tmp_path):
 @pytest.mark.slow
 def test_cli_refuses_a_stage_that_is_not_data_parallel(tmp_path):
     d = sft_recipe()
-    d["stages"].append({"stage": "dpo", "name": "prefs", "steps": 2, "batch_size": 8, "data": [{"task": "arithmetic", "n": 32}]})
+    d["stages"].append({"stage": "rejection_sampling", "name": "rs", "data": [{"task": "arithmetic", "n": 32}]})
     out = tmp_path / "run"
     said = run_ranks(2, _write(tmp_path, d), out, ok=False)
-    assert "stages[1] (prefs): the dpo stage does not run data-parallel yet" in said
+    assert "stages[1] (rs): the rejection_sampling stage does not run data-parallel yet" in said
     assert not out.exists()  # refused before anything was written
+
+
+# ---- `posttrain run --nproc N` ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_run_nproc_two_launches_torchrun_itself(tmp_path):
+    # with as many micro-batches as ranks each rank runs exactly one of the micro-batches one process
+    # runs, and the sum of 2 gradients is the same float addition in either order: bitwise equal weights
+    d = sft_recipe()
+    d["stages"][0].update(grad_accum=2, steps=3, save_every=10)
+    recipe = _write(tmp_path, d)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_one(recipe, one)
+    said = run_one(recipe, two, "--nproc", "2")
+    assert "launching 2 ranks: torchrun --standalone --nproc-per-node 2 -m posttrain.cli run" in said
+    assert "on 2 ranks (gloo)" in said and "in 2 micro-batches (2 ranks × 1 of 4 sequences)" in said
+    assert max_diff(weights(one, "sft"), weights(two, "sft")) == 0.0
+    assert rows(two) == rows(one)
+
+
+@pytest.mark.slow  # a CLI start: 8–24 s measured on the shared 2 cores, depending on their load
+def test_run_nproc_refuses_a_recipe_before_starting_ranks(tmp_path):
+    d = sft_recipe()
+    d["stages"][0].update(batch_size=6, grad_accum=3)  # 3 micro-batches → 4 on 2 ranks: 6 does not split
+    out = tmp_path / "run"
+    r = _run([sys.executable, "-m", "posttrain.cli", "run", str(_write(tmp_path, d)), "--out", str(out), "--nproc", "2"])
+    assert r.returncode == 2, r.stdout[-2000:]
+    assert "batch_size 6 does not split into 4 micro-batches" in r.stdout and "launching" not in r.stdout
+    assert not out.exists()

@@ -90,7 +90,11 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
         old = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise RunError(f"{path}: unreadable ({type(e).__name__}); this folder's recipe cannot be compared with yours") from None
-    diff = first_difference(old, yaml.safe_load(dump_recipe(recipe)))
+    new = yaml.safe_load(dump_recipe(recipe))
+    for d in (old, new):  # how the ranks share the work is placement, not what is trained: a run may resume under
+        if isinstance(d, dict):  # another data-parallel strategy, as at another world size (docs/distributed.md)
+            d.pop("distributed", None)
+    diff = first_difference(old, new)
     if diff:
         raise RunError(f"{path}: this folder was run with a different recipe, first at {diff}; "
                        f"undo the change, or run into a new --out folder")

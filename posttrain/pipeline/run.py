@@ -40,7 +40,13 @@ from posttrain.tasks import Capability, TaskSet
 from posttrain.tasks.base import RECORD_KINDS
 from posttrain.tasks.records import EvalRecord
 from posttrain.stages.pretrain import run_pretrain
-from posttrain.stages import grpo as grpo_stage, sft as sft_stage
+from posttrain.stages import (
+    dpo as dpo_stage,
+    grpo as grpo_stage,
+    ppo as ppo_stage,
+    reward_model as reward_model_stage,
+    sft as sft_stage,
+)
 from posttrain.stages.sft import run_sft
 from posttrain.stages.reward_model import run_reward_model
 from posttrain.stages.dpo import run_dpo
@@ -61,7 +67,12 @@ STAGES: dict[str, Callable[..., StageResult]] = {"pretrain": run_pretrain, "sft"
                                                  "constitutional_rl": run_constitutional_rl}
 # The stages that run data-parallel, each with why a config of it cannot (None: it can).
 DATA_PARALLEL: dict[str, Callable[..., str | None]] = {"sft": sft_stage.data_parallel_problem,
-                                                       "grpo": grpo_stage.data_parallel_problem}
+                                                       "grpo": grpo_stage.data_parallel_problem,
+                                                       "dpo": dpo_stage.data_parallel_problem,
+                                                       "reward_model": reward_model_stage.data_parallel_problem,
+                                                       "ppo": ppo_stage.data_parallel_problem}
+# The stages that also run with `distributed.strategy: fsdp` (FSDP2; docs/distributed.md).
+SHARDABLE = ("sft", "grpo")
 __all__ = ["BASE", "DATA_PARALLEL", "RunError", "STAGES", "run_pipeline"]
 
 
@@ -84,6 +95,12 @@ def check_data_parallel(recipe: Recipe, world_size: int) -> None:
         check = DATA_PARALLEL.get(stage.stage)
         problem = (f"the {stage.stage} stage does not run data-parallel yet (data-parallel: "
                    f"{', '.join(DATA_PARALLEL)}); run this recipe in one process") if check is None else check(stage, world_size)
+        if not problem and recipe.distributed.strategy == "fsdp":
+            if stage.stage not in SHARDABLE:
+                problem = (f"the {stage.stage} stage does not run with distributed.strategy fsdp yet (fsdp: "
+                           f"{', '.join(SHARDABLE)}); use strategy: replicate")
+            elif recipe.model.lora is not None:
+                problem = "distributed.strategy fsdp with model.lora is not supported; use strategy: replicate"
         if problem:
             raise RunError(f"stages[{i}] ({stage.folder}): {problem} — {world_size} ranks from torchrun")
 

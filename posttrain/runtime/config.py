@@ -484,6 +484,13 @@ class PlacementConfig(Strict):
     timeout_s: float = Field(600.0, gt=0, description="seconds a worker's generate or sync may take before it is taken for dead")
 
 
+# ---- data-parallel training (docs/distributed.md) ------------------------------------------------------------
+class DistributedConfig(Strict):
+    """How the training stages use the ranks torchrun starts (one process: the plain model either way)."""
+
+    strategy: Literal["replicate", "fsdp"] = Field("replicate", description="replicate: every rank holds the whole model and AdamW state, gradients summed once per step; fsdp: parameters, gradients and AdamW state sharded over the ranks (FSDP2 fully_shard per decoder layer), checkpoints sharded through torch.distributed.checkpoint")
+
+
 class Recipe(Strict):
     name: str = Field("run", description="run folder name under runs/")
     seed: int = Field(0, description="seeds the model init and every RNG")
@@ -496,6 +503,7 @@ class Recipe(Strict):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     doctor: DoctorConfig = Field(default_factory=DoctorConfig)
     placement: PlacementConfig | None = Field(None, description="rollout workers as Ray actors (the `ray` extra; docs/placement.md); null = everything in this process")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="data-parallel strategy when launched on several ranks (docs/distributed.md)")
     stages: list[Stage] = Field(min_length=1, description="the stages in order; an item `rounds: {repeat: N, stages: [...]}` is that block N times (docs/rounds.md)")
 
     @model_validator(mode="before")

@@ -27,9 +27,28 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from posttrain.distributed import DistributedError, check_replicas_agree
+from posttrain.distributed import DistributedError, World, all_reduce_gradients, check_replicas_agree
+from posttrain.distributed.fsdp import (
+    full_state_dict,
+    gradient_norm,
+    gradient_sync,
+    idle_backward,
+    is_sharded,
+    load_shards,
+    load_whole_optimizer_state,
+    shard_model,
+)
 from posttrain.models import lora
-from posttrain.runtime.checkpoint import checkpoint_name, latest_checkpoint, load_state, save_checkpoint, set_rng_state
+from posttrain.runtime.checkpoint import (
+    SHARDS_DIR,
+    checkpoint_name,
+    is_sharded_checkpoint,
+    latest_checkpoint,
+    load_state,
+    save_checkpoint,
+    save_sharded_checkpoint,
+    set_rng_state,
+)
 from posttrain.runtime.config import OptimConfig, TrainStage
 from posttrain.runtime.context import RunContext
 
@@ -138,16 +157,29 @@ class Trainer:
     name: str = "stage"  # the stage's folder, for messages
     stage_dir: Path | None = None  # where its checkpoints go (None: a test's bare trainer)
     say: Callable[[str], None] = field(default=print, repr=False)  # the run's console
+    sharded_checkpoints: bool = False  # distributed.strategy fsdp: step checkpoints through torch.distributed.checkpoint
+
+    @property
+    def sharded(self) -> bool:
+        """The model's parameters are FSDP2 shards (fsdp on more than one rank)."""
+        return is_sharded(self.model)
 
 
 def start_or_resume(ctx: RunContext, cfg: TrainStage,
                     load: Callable[[Path, bool], PreTrainedModel] | None = None, *, heads: tuple[str, ...] = (),
-                    data_parallel: bool = False) -> Trainer:
+                    data_parallel: bool = False, shardable: bool = False) -> Trainer:
     """Load the stage's start checkpoint — or its newest resumable one, restoring the whole state.
 
     data_parallel: the stage shards its batches over `ctx.ranks` and sums its gradients over them
     (docs/distributed.md); a stage that does not say so refuses to run on more than one rank, rather
     than train N unsynchronized copies. Every rank loads the same checkpoint.
+    shardable: the stage runs with `distributed.strategy: fsdp` — the model is `fully_shard`ed over the
+    ranks (`distributed.fsdp`) and its step checkpoints are sharded (`runtime.checkpoint`); a stage that
+    does not say so refuses fsdp on more than one rank.
+
+    Resume reads either checkpoint format at any world size: a sharded one (`shards/`) is loaded into
+    the model built from the stage's start (then resharded by torch.distributed.checkpoint); a whole one
+    (`model.safetensors` + the optimizer's state) is loaded before sharding, its optimizer state after.
 
     load(path, resuming): the model at `path` (default: `ctx.load_model`); a stage whose model is not
     a causal LM (the reward model's scalar head) passes its own.
@@ -157,11 +189,19 @@ def start_or_resume(ctx: RunContext, cfg: TrainStage,
     if ctx.ranks.world_size > 1 and not data_parallel:
         raise DistributedError(f"{cfg.folder}: the {cfg.stage} stage does not run data-parallel yet "  # type: ignore[attr-defined]
                                f"({ctx.ranks.world_size} ranks); run it in one process")
-    resume_from = latest_checkpoint(ctx.stage_dir(cfg.folder))
-    loader = load or (lambda path, _: ctx.load_model(path))
+    fsdp = ctx.recipe.distributed.strategy == "fsdp"
     spec = ctx.recipe.model.lora
-    if spec is None:
-        model = loader(resume_from or ctx.start, resume_from is not None)
+    if fsdp and ctx.ranks.world_size > 1 and not shardable:
+        raise DistributedError(f"{cfg.folder}: the {cfg.stage} stage does not run with distributed.strategy fsdp yet; "  # type: ignore[attr-defined]
+                               f"use strategy: replicate")
+    if fsdp and ctx.ranks.world_size > 1 and spec is not None:
+        raise DistributedError(f"{cfg.folder}: distributed.strategy fsdp with model.lora is not supported (the adapters "
+                               f"are small: use strategy: replicate)")
+    resume_from = latest_checkpoint(ctx.stage_dir(cfg.folder))
+    from_shards = resume_from is not None and is_sharded_checkpoint(resume_from)
+    loader = load or (lambda path, _: ctx.load_model(path))
+    if spec is None:  # a sharded checkpoint holds no HF weights: the start's architecture, its weights loaded below
+        model = loader(ctx.start if from_shards else resume_from or ctx.start, resume_from is not None)
     else:
         base = loader(ctx.start, False)
         model = (lora.load_adapter(base, resume_from, trainable=True) if resume_from is not None else
@@ -174,14 +214,22 @@ def start_or_resume(ctx: RunContext, cfg: TrainStage,
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ctx.console.print(describe_trainable(cfg.folder, model))
+    if fsdp and shardable and ctx.ranks.world_size > 1:
+        shard_model(model, ctx.ranks)  # in place: parameters become this rank's DTensor shards
+        ctx.console.print(f"{cfg.folder}: FSDP2 over {ctx.ranks.world_size} ranks (each decoder layer and the root "
+                          f"sharded; gradients reduce-scattered by sum once per step)")
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = warmup_cosine(optimizer, cfg.optim, cfg.steps)
     t = Trainer(model, optimizer, scheduler, step=0, data_state=None, guard=NumericGuard(cfg.optim.max_nonfinite_skips),
-                name=cfg.folder, stage_dir=ctx.stage_dir(cfg.folder), say=ctx.console.print)
+                name=cfg.folder, stage_dir=ctx.stage_dir(cfg.folder), say=ctx.console.print,
+                sharded_checkpoints=fsdp and shardable and spec is None)  # LoRA: its adapter, as always
     if resume_from is None:
         return t
     state = load_state(resume_from)
-    optimizer.load_state_dict(state["optimizer"])
+    if from_shards:
+        load_shards(model, optimizer, resume_from / SHARDS_DIR)  # every rank reads its pieces (a collective)
+    else:
+        load_whole_optimizer_state(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     if "guard" in state:
@@ -244,21 +292,89 @@ def reference_policy(ctx: RunContext, policy: torch.nn.Module) -> ReferencePolic
 def save(ctx: RunContext, cfg: TrainStage, t: Trainer, *, data_state: dict[str, Any] | None, final: bool = False) -> Path:
     """Publish the stage's checkpoint of step `t.step` (or its `final`). Data-parallel: the ranks' weights
     are checked equal first, rank 0 alone writes (every rank holds the same state), and every rank
-    returns once it is published — the next stage's ranks all load `final`."""
+    returns once it is published — the next stage's ranks all load `final`.
+
+    Sharded (`distributed.strategy: fsdp`): a step checkpoint is written by every rank through
+    torch.distributed.checkpoint (weights and AdamW state, each rank its shards), published by rank 0 with
+    the manifest; the `final` is HF-format whole weights, gathered once (what the next stage and
+    `posttrain eval` read), without optimizer state."""
+    stage_dir = ctx.stage_dir(cfg.folder)
+    state = {"stage": cfg.folder, "step": t.step, "scheduler": t.scheduler.state_dict(), "data": data_state,
+             "guard": t.guard.state_dict()}
+    if t.sharded_checkpoints and not final:
+        return save_sharded_checkpoint(stage_dir, t.model, t.optimizer, ctx.tokenizer, state, ranks=ctx.ranks,
+                                       keep_last=cfg.keep_last)
+    if t.sharded:
+        whole = full_state_dict(t.model, cpu=True)  # a collective: every rank gathers, rank 0 writes
+        if ctx.ranks.is_main:
+            save_checkpoint(stage_dir, t.model, ctx.tokenizer, {**state, "optimizer": None}, keep_last=cfg.keep_last,
+                            final=final, weights=whole)
+        ctx.ranks.barrier()  # a sync point: the checkpoint is published for every rank
+        return stage_dir / checkpoint_name(t.step, final)
     check_replicas_agree(ctx.ranks, t.model, f"{cfg.folder} step {t.step}")
-    path = ctx.stage_dir(cfg.folder) / checkpoint_name(t.step, final)
+    path = stage_dir / checkpoint_name(t.step, final)
     if ctx.ranks.is_main:
-        state = {
-            "stage": cfg.folder,
-            "step": t.step,
-            "optimizer": t.optimizer.state_dict(),
-            "scheduler": t.scheduler.state_dict(),
-            "data": data_state,
-            "guard": t.guard.state_dict(),
-        }
-        path = save_checkpoint(ctx.stage_dir(cfg.folder), t.model, ctx.tokenizer, state, keep_last=cfg.keep_last, final=final)
+        path = save_checkpoint(stage_dir, t.model, ctx.tokenizer, {**state, "optimizer": t.optimizer.state_dict()},
+                               keep_last=cfg.keep_last, final=final)
     ctx.ranks.barrier()  # a sync point: the checkpoint is published for every rank
     return path
+
+
+def micro_batch_count(grad_accum: int, world_size: int) -> int:
+    """Micro-batches per optimizer step over all ranks: `grad_accum`, rounded up to a multiple of the world
+    size so that every rank runs as many (one process: `grad_accum`)."""
+    return world_size * math.ceil(grad_accum / world_size)
+
+
+def batch_split_problem(cfg: TrainStage, world_size: int, what: str = "items") -> str | None:
+    """Why `cfg.batch_size` cannot be cut into `micro_batch_count` equal micro-batches dealt over
+    `world_size` ranks (None: it can)."""
+    m = micro_batch_count(cfg.grad_accum, world_size)
+    if cfg.batch_size % m:
+        return (f"{cfg.folder}: batch_size {cfg.batch_size} ({what}) does not split into {m} micro-batches "  # type: ignore[attr-defined]
+                f"({world_size} ranks × {m // world_size}); make it a multiple of {m}")
+    return None
+
+
+def reduce_gradients(t: Trainer, ranks: World) -> None:
+    """After the step's last backward: replicated, sum the gradients over the ranks (a sync point);
+    sharded, nothing — FSDP reduce-scattered them in that backward."""
+    if not t.sharded:
+        all_reduce_gradients(ranks, t.model)
+
+
+def rollout_policy(ctx: RunContext, t: Trainer) -> torch.nn.Module:
+    """The module a rollout engine samples from (and rank 0's in-stage evals read): the policy itself; with
+    sharded weights, an unsharded frozen copy — the start's architecture with the policy's current
+    weights, gathered here (a collective) and reloaded at every `sync` (`policy_weights`)."""
+    if not t.sharded:
+        return t.model
+    copy = ctx.load_model(ctx.start).requires_grad_(False)
+    copy.load_state_dict(full_state_dict(t.model))  # a resumed policy is not the start: its weights now
+    return copy
+
+
+def policy_weights(t: Trainer) -> torch.nn.Module | dict[str, torch.Tensor]:
+    """What `RolloutEngine.sync_weights` loads after an update: the policy module (the engine shares it:
+    nothing moves), or with sharded weights the whole weights, all-gathered on every rank (a collective;
+    its cost is the `sync` phase's)."""
+    return full_state_dict(t.model) if t.sharded else t.model
+
+
+def micro_batch_sync(t: Trainer, index: int, count: int) -> None:
+    """Before micro-batch `index` of the `count` this rank runs in a step: FSDP reduce-scatters only the
+    last one's backward (`distributed.fsdp.gradient_sync`); no-op when replicated."""
+    gradient_sync(t.model, index == count - 1)
+
+
+def idle_micro_batches(t: Trainer, done: int, count: int, device: torch.device) -> None:
+    """FSDP: a rank that ran `done` of the step's `count` micro-batches (every rank runs `count` forwards
+    and backwards, each an all-gather) runs the rest with a zero loss. No-op when replicated."""
+    if not t.sharded:
+        return
+    for i in range(done, count):
+        micro_batch_sync(t, i, count)
+        idle_backward(t.model, device)
 
 
 def optimizer_step(t: Trainer, cfg: OptimConfig, losses: dict[str, float] | None = None) -> float:
@@ -290,7 +406,7 @@ def guarded_update(t: Trainer, cfg: OptimConfig, losses: dict[str, float], *, st
     (every norm up to ~1e-6 below the limit) skips the multiply, a pass over all gradients that would
     leave them bitwise as they are. Returns the pre-clip gradient norm (a device sync point)."""
     params = [p for p in t.model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    grad_norm = gradient_norm([p.grad for p in params])  # sharded: reduced over the ranks (a sync point)
     norm = float(grad_norm)                                                # device sync point
     reason = t.guard.check(step, losses, norm, where)
     t.guard.record(reason)

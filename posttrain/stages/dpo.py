@@ -23,6 +23,13 @@ Departures:
    `_preference_data.kto_partners`, under no_grad (z0 carries no gradient in the paper either).
 2. With `grad_accum` > 1 every loss is normalized by the whole optimizer batch (sums, not means of
    micro-batch means), so accumulation changes memory, never the gradient.
+
+Data-parallel (docs/distributed.md; replicate only): every rank draws the same global batch, cuts it
+into the same micro-batches (`grad_accum` rounded up to a multiple of the world size) and runs those
+dealt to it (r, r + W, …); the loss stays normalized by the global batch's items, the gradients and the
+loss are summed over the ranks, the per-micro-batch statistics averaged over all of them. Every rank
+computes the whole reference cache (a forward over all items, duplicated: simple, and cheap beside
+training); the final head-to-head runs on rank 0 alone.
 """
 
 from __future__ import annotations
@@ -52,12 +59,21 @@ from posttrain.losses import (
     orpo_loss,
     simpo_loss,
 )
+from posttrain.distributed import DistributedError, deal
 from posttrain.runtime.config import DPOStage
 from posttrain.runtime.context import RunContext, StageResult
 from posttrain.stages._gold_eval import compare_to_reference, gold_task
 from posttrain.stages._packing import pair_logps, sequence_logps
 from posttrain.stages._preference_data import kto_partners, load_records
-from posttrain.stages._training import optimizer_step, reference_policy, save, start_or_resume
+from posttrain.stages._training import (
+    batch_split_problem,
+    micro_batch_count,
+    optimizer_step,
+    reduce_gradients,
+    reference_policy,
+    save,
+    start_or_resume,
+)
 from posttrain.tasks import Task
 from posttrain.telemetry import costs
 
@@ -146,23 +162,33 @@ def micro_sides(model, items: list[Item], ref: Tensor | None, pad_id: int, *, pa
     return Sides(policy_a, policy_b, None if ref is None else ref[:, 0], None if ref is None else ref[:, 1], desirable)
 
 
+def data_parallel_problem(cfg: DPOStage, world_size: int) -> str | None:
+    """Why this stage cannot run on `world_size` ranks, or None."""
+    return batch_split_problem(cfg, world_size, "pairs")
+
+
 def run_dpo(cfg: DPOStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
+    if problem := data_parallel_problem(cfg, ctx.ranks.world_size):
+        raise DistributedError(problem)
     tok, method = ctx.tokenizer, PREFERENCE_METHODS[PreferenceLoss(cfg.loss)]
     objective = OBJECTIVES[PreferenceLoss(cfg.loss)]
     items, skipped = load_items(ctx, cfg)
     n_skipped = float(sum(skipped.values()))
     gold = gold_task(ctx, cfg.folder, cfg.data, "gold win rate vs the start policy", heldout=True) if cfg.eval_per_level else None
-    t = start_or_resume(ctx, cfg)
+    t = start_or_resume(ctx, cfg, data_parallel=True)
     sampler = EpochSampler(len(items), cfg.batch_size, seed=ctx.recipe.seed)
     if t.data_state is not None:
         sampler.load_state_dict(t.data_state)
-    micro = cfg.batch_size // cfg.grad_accum
+    ranks, n_micro = ctx.ranks, micro_batch_count(cfg.grad_accum, ctx.ranks.world_size)
+    micro = cfg.batch_size // n_micro
     mean_len = sum(len(it.a.input_ids) + len(it.b.input_ids) for it in items) / (2 * len(items))
     ctx.console.print(
         f"{cfg.folder}: {cfg.loss} on {len(items):,} {'pairs' if method.paired else 'examples'} "
         f"({int(n_skipped)} skipped: {skipped or 'none'}); {cfg.batch_size} per step (2 sequences each, ≈{mean_len:.0f} tokens) "
-        f"in {cfg.grad_accum} micro-batches; {sampler.batches_per_epoch} steps per epoch; reference: "
+        f"in {n_micro} micro-batches"
+        + (f" ({ranks.world_size} ranks × {n_micro // ranks.world_size} of {micro})" if ranks.world_size > 1 else "")
+        + f"; {sampler.batches_per_epoch} steps per epoch; reference: "
         f"{cfg.reference if method.uses_reference else 'none'}")
     ref, ref_cache = None, None
     if method.uses_reference:
@@ -193,7 +219,7 @@ def run_dpo(cfg: DPOStage, ctx: RunContext) -> StageResult:
             with ctx.phase("update", stage=cfg.folder, step=step,
                            cost=costs.train_step(t.model.config, batch=2 * len(batch), seq_len=seq_len)):
                 total, parts = 0.0, []
-                for i in range(0, len(batch), micro):
+                for i in deal(range(0, len(batch), micro), ranks):  # this rank's micro-batches (all in one process)
                     with ctx.autocast():
                         sides = micro_sides(t.model, batch[i : i + micro], None if ref_lp is None else ref_lp[i : i + micro],
                                             tok.pad_token_id, paired=method.paired, length_normalized=method.length_normalized)
@@ -201,11 +227,14 @@ def run_dpo(cfg: DPOStage, ctx: RunContext) -> StageResult:
                     loss.backward()
                     total += loss.item()
                     parts.append(stats.as_floats())
+                reduce_gradients(t, ranks)  # the step's gradient: every rank's micro-batches (a sync point)
+                total = ranks.sum({"loss": total})["loss"]
                 grad_norm = optimizer_step(t, cfg.optim, {f"loss/{cfg.loss}": total})
             metrics = {f"loss/{cfg.loss}": total, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0],
                        "train/pairs_per_s": len(batch) / (time.perf_counter() - t0), **t.guard.metrics()}
-            metrics.update({METRIC_NAMES.get(k, f"train/{k}"): sum(p[k] for p in parts) / len(parts) for k in parts[0]})
-            if step == cfg.steps and gold is not None:
+            means = ranks.mean({k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}, dict.fromkeys(parts[0], len(parts)))
+            metrics.update({METRIC_NAMES.get(k, f"train/{k}"): v for k, v in means.items()})  # means over every micro-batch
+            if step == cfg.steps and gold is not None and ranks.is_main:
                 metrics.update(gold_head_to_head(ctx, cfg, gold, t.model, step))
             if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
                 ctx.log(cfg.folder, step, {**metrics, "data/skipped": n_skipped})

@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 
 from posttrain.data import EpochSampler, Problem
-from posttrain.distributed import DistributedError, World, all_reduce_gradients, shard_range
+from posttrain.distributed import DistributedError, World, shard_range
 from posttrain.envs import Episode, EpisodeEnd, EnvironmentFactory, pad_episodes
 from posttrain.losses import (
     AGGREGATIONS,
@@ -97,7 +97,19 @@ from posttrain.stages._rlvr import (
 )
 from posttrain.models.prefix_attention import shared_prefix
 from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
-from posttrain.stages._training import Trainer, next_step, optimizer_step, reference_policy, save, start_or_resume
+from posttrain.stages._training import (
+    Trainer,
+    idle_micro_batches,
+    micro_batch_sync,
+    next_step,
+    optimizer_step,
+    policy_weights,
+    reduce_gradients,
+    reference_policy,
+    rollout_policy,
+    save,
+    start_or_resume,
+)
 from posttrain.telemetry import costs, memory
 from posttrain.telemetry.phases import MAIN_WORKER
 
@@ -349,7 +361,10 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
     first_pass = prox is not None and not prox
     ratio_max = 0.0
     tokens = norm.num_tokens
+    mine = math.ceil(len(b) / micro)  # FSDP: every rank runs as many micro-batches as the busiest (a sync point)
+    count = int(ctx.ranks.max({"micro": mine})["micro"]) if t.sharded else mine
     for j, i in enumerate(range(0, len(b), micro)):
+        micro_batch_sync(t, j, count)
         mb, sl = b.rows(slice(i, i + micro)), slice(i, i + micro)
         with ctx.autocast():
             logits = completion_logits(t.model, mb, share_prompt=cfg.share_prompt, pad_id=pad_id)  # (r, N, V)
@@ -384,7 +399,8 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
         sums["clip/high"] += f["clip_frac_high"] * share
         sums["clip/approx_kl"] += f["approx_kl"] * share
         ratio_max = max(ratio_max, f["ratio_max"])
-    all_reduce_gradients(ctx.ranks, t.model)  # the step's gradient: every rank's rows (a sync point)
+    idle_micro_batches(t, mine, count, b.input_ids.device)
+    reduce_gradients(t, ctx.ranks)  # the step's gradient: every rank's rows (a sync point)
     sums = ctx.ranks.sum(sums)  # each is this rank's part of the whole batch's value
     ratio_max = ctx.ranks.max({"ratio_max": ratio_max})["ratio_max"]
     grad_norm = optimizer_step(t, cfg.optim, {"loss/policy": sums["loss/policy"]})
@@ -479,12 +495,13 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
             raise
     prompts = encode_problems(problems, tok, cfg.max_prompt_len) if env is None else []
     verifiers = build_rewards(cfg.rewards)
-    t = start_or_resume(ctx, cfg, data_parallel=True)
+    t = start_or_resume(ctx, cfg, data_parallel=True, shardable=True)
     sampler = EpochSampler(len(problems), 1, seed=ctx.recipe.seed)
     pending = resumed_rollouts(cfg, t.data_state, sampler)
-    # async: the rollout thread's engine samples its own copy of the weights (the native engine shares the module
-    # it is given, and the learner's moves on while the producer samples an older version); sync: the policy itself
-    engine = ctx.rollout_engine(copy.deepcopy(t.model).requires_grad_(False) if cfg.max_staleness else t.model, cfg.backend)
+    # the sampler's model: the policy itself; FSDP: an unsharded copy, loaded at each sync; async: the rollout
+    # thread's own copy (the learner's weights move on while the producer samples an older version)
+    sampler_model = copy.deepcopy(t.model).requires_grad_(False) if cfg.max_staleness else rollout_policy(ctx, t)
+    engine = ctx.rollout_engine(sampler_model, cfg.backend)
     ref = reference_policy(ctx, t.model) if cfg.kl_coef > 0 else None
     prompts_per_step = cfg.batch_size // cfg.group_size
     ctx.console.print(
@@ -558,8 +575,8 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                         metrics.update(t.guard.metrics())
                     if rollouts is None:
                         with ctx.phase("sync", stage=stage, step=step) as ph:  # the next rollout samples the updated policy
-                            ph.cost = costs.Cost(bytes=engine.sync_weights(t.model))
-                    if step == cfg.mu:  # once: what the phases' memory peaks are made of
+                            ph.cost = costs.Cost(bytes=engine.sync_weights(policy_weights(t)))
+                    if step == cfg.mu and not t.sharded:  # once: what the phases' memory peaks are made of (not of DTensor shards yet)
                         ctx.telemetry.note_consumers(stage, step, memory.consumers(
                             weights=t.model, optimizer=t.optimizer, engine=engine,
                             reference=ref.model if ref is not None and not ref.shared else None))
@@ -570,7 +587,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                 evaluates = bool(cfg.eval_every and ctx.recipe.evals) and (step % cfg.eval_every == 0 or step == cfg.steps)
                 if evaluates and ctx.ranks.is_main:
                     with ctx.phase("eval", stage=stage, step=step):
-                        metrics.update(greedy_eval(ctx, t.model, cfg.eval_problems))
+                        metrics.update(greedy_eval(ctx, sampler_model if t.sharded else t.model, cfg.eval_problems))
                 # the same steps on every rank (ctx.log is a collective there)
                 if (step // cfg.mu) % cfg.log_every == 0 or step == cfg.steps or evaluates:
                     ctx.log(stage, step, metrics)

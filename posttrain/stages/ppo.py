@@ -29,21 +29,34 @@ Departures:
    the policy's under `loss/policy`, the critic's under `loss/value`, each with its own count — a
    skipped step leaves that model's weights and moments as they were, and `optim.max_nonfinite_skips`
    skips in a row of one model stop the stage naming the term, the iteration and the minibatch update.
+
+Data-parallel (docs/distributed.md; replicate only): every rank draws the same prompts and generates
+its contiguous share of the rollouts (the native engine draws the whole batch's uniforms and keeps its
+rows, so the samples are one process's); scores, reference log-probs and values are per row. What spans
+the batch is reduced over the ranks: the advantage whitening (mean and variance of every rank's
+tokens), the KL statistics the adaptive controller reads, each minibatch's token count (the loss
+normalizer), both models' gradients (summed after every minibatch backward) and every logged value.
+The minibatch permutation is over the global batch; a rank holds the minibatch's rows it generated
+(possibly none: it contributes zeros).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import torch
 from torch import Tensor
 
 from posttrain.data import EpochSampler, encode_prompt, read_jsonl
+from posttrain.distributed import DistributedError, World, all_reduce_gradients, check_replicas_agree, shard_range
 from posttrain.data.records import Problem
 from posttrain.losses import (
     AdaptiveKLController,
     FixedKLController,
+    LossNormalizer,
+    PolicyStats,
     clipped_value_loss,
     entropy_from_logits,
     gae,
@@ -124,8 +137,60 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     return float(1 - (ret - v).var() / var) if var > 0 else float("nan")
 
 
+def data_parallel_problem(cfg: PPOStage, world_size: int) -> str | None:
+    """Why this stage cannot run on `world_size` ranks, or None."""
+    if world_size > 1 and cfg.batch_size % world_size:
+        return (f"{cfg.folder}: batch_size {cfg.batch_size} rollouts do not split over {world_size} ranks; "
+                f"make it a multiple of {world_size}")
+    return None
+
+
+def whiten_over_ranks(ranks: World, values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """`losses.masked_whiten` of every rank's rows together: (x − μ) / sqrt(σ² + eps), μ and the unbiased
+    σ² over all ranks' masked-in tokens (two sums of float64 scalars over the ranks); 0 where mask is 0.
+    One process: masked_whiten itself. Shape: this rank's (R, N)."""
+    if ranks.world_size == 1:
+        return masked_whiten(values, mask)
+    keep = mask.bool()
+    values = values.detach()
+    c = ranks.sum({"n": float(keep.sum()), "sum": float(values[keep].double().sum())})  # a sync point
+    if c["n"] < 2:
+        raise ValueError(f"whiten_over_ranks: needs at least 2 masked-in elements for a variance, got {c['n']:.0f}")
+    mean = c["sum"] / c["n"]
+    var = ranks.sum({"ss": float(((values[keep].double() - mean) ** 2).sum())})["ss"] / (c["n"] - 1)
+    return torch.where(keep, (values - mean) / math.sqrt(var + eps), 0.0)
+
+
+def explained_variance_over_ranks(ranks: World, values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """`explained_variance` over every rank's tokens (float64 sums reduced over the ranks)."""
+    if ranks.world_size == 1:
+        return explained_variance(values, returns, mask)
+    keep = mask.bool()
+    ret, diff = returns[keep].double(), (returns - values)[keep].double()
+    c = ranks.sum({"n": float(keep.sum()), "r": float(ret.sum()), "rr": float((ret ** 2).sum()),
+                   "d": float(diff.sum()), "dd": float((diff ** 2).sum())})
+    if c["n"] < 2:
+        return float("nan")
+    var_r = (c["rr"] - c["r"] ** 2 / c["n"]) / (c["n"] - 1)
+    var_d = (c["dd"] - c["d"] ** 2 / c["n"]) / (c["n"] - 1)
+    return float(1 - var_d / var_r) if var_r > 0 else float("nan")
+
+
+def reduce_stats(ranks: World, stats: dict[str, float], weight: float) -> dict[str, float]:
+    """A minibatch's logged values over the ranks: maxima of maxima, the rest means weighted by each
+    rank's tokens (`weight`); a loss or entropy already normalized by the global minibatch is summed."""
+    summed = {k: v for k, v in stats.items() if k in ("loss/policy", "loss/value", "entropy")}
+    maxima = {k: v for k, v in stats.items() if k.endswith("_max")}
+    means = {k: v for k, v in stats.items() if k not in summed and k not in maxima}
+    out = {**ranks.sum(summed), **ranks.max(maxima), **ranks.mean(means, dict.fromkeys(means, weight))}
+    return {k: out[k] for k in stats if k in out}
+
+
 def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
+    if problem := data_parallel_problem(cfg, ctx.ranks.world_size):
+        raise DistributedError(problem)
+    ranks = ctx.ranks
     tok, seed = ctx.tokenizer, ctx.recipe.seed
     rm_path = resolve_reward_model(ctx, cfg.reward_model, cfg.folder)
     scorer = RewardModelScorer(rm_path, ctx.device, batch_rows=None)  # the reward: frozen, normalized
@@ -134,7 +199,7 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
     problems = load_prompts(ctx, cfg)
     prompt_ids = [encode_prompt(p, tok, cfg.max_prompt_len) for p in problems]
     gold = gold_task(ctx, cfg.folder, cfg.data, "gold/reward beside rm/score and the gold comparison")
-    t = start_or_resume(ctx, cfg)
+    t = start_or_resume(ctx, cfg, data_parallel=True)
     reference = reference_policy(ctx, t.model)
     critic = load_scalar_model(rm_path, device=ctx.device)
     if lora.is_lora(t.model):  # the critic gets its own fresh adapter; its scalar head trains in full
@@ -165,6 +230,8 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
         f"{cfg.folder}: policy {ctx.start}, reward model {rm_path} (normalized: mean {norm.mean:.3f}, std {norm.std:.3f}); "
         f"{len(problems):,} prompts; {cfg.batch_size} rollouts per iteration → {cfg.ppo_epochs} epochs × {minibatches} "
         f"minibatches = {cfg.ppo_epochs * minibatches} optimizer steps per model; KL β {kl_ctl.value:g}"
+        + (f"; {ranks.world_size} ranks × {cfg.batch_size // ranks.world_size} rollouts each" if ranks.world_size > 1 else "")
+        + ""
         f"{f' adaptive to {cfg.kl_target}' if cfg.kl_target else ' fixed'}")
 
     def data_state() -> dict:
@@ -177,9 +244,12 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
         task = bar.add_task(cfg.folder, total=cfg.steps, completed=t.step, info="")
         while t.step < cfg.steps:
             step, t0 = t.step + 1, time.perf_counter()
-            index = list(sampler.next_batch())
+            drawn = list(sampler.next_batch())
+            mine = shard_range(len(drawn), ranks)  # this rank's rollouts (all of them in one process)
+            index = [drawn[i] for i in mine]
             with ctx.phase("generate", stage=cfg.folder, step=step) as ph:
-                params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed * 100_003 + step)
+                params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed * 100_003 + step,
+                                        shard=None if ranks.world_size == 1 else (mine.start, len(drawn)))
                 r = engine.generate([prompt_ids[i] for i in index], params)
                 ph.cost = costs.decode(t.model.config, batch=len(r), prompt_len=r.prompt_ids.shape[1], new_tokens=r.completion_ids.shape[1])
             seq_len, mask = r.sequence_ids.shape[1], r.completion_mask.float()  # mask (R, N)
@@ -200,7 +270,7 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
             rewards, kl_stats = kl_penalty_rewards(score, old_logps, ref_logps, mask, kl_coef=kl_ctl.value)
             advantages, returns = gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam)
             if cfg.whiten_advantages:
-                advantages = masked_whiten(advantages, mask)
+                advantages = whiten_over_ranks(ranks, advantages, mask)
             update_cost = (costs.train_step(t.model.config, batch=len(r), seq_len=fwd_len)
                            + costs.train_step(critic.config, batch=len(r), seq_len=fwd_len, logits="scalar")) * cfg.ppo_epochs
             if cfg.release_rollout_memory:  # the engine's weight copies leave the update's memory peak; sync rebuilds them
@@ -211,30 +281,42 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
                 t.guard.begin_step()
                 critic_t.guard.begin_step()
                 for epoch in range(cfg.ppo_epochs):
-                    order = torch.randperm(len(r), generator=gen)
+                    order = torch.randperm(len(drawn), generator=gen)  # over the global batch
                     for k in range(minibatches):
-                        mb = order[k * cfg.minibatch_size : (k + 1) * cfg.minibatch_size]
-                        sub = select(r, mb)
+                        picked = order[k * cfg.minibatch_size : (k + 1) * cfg.minibatch_size]
+                        mb = picked[(picked >= mine.start) & (picked < mine.stop)] - mine.start  # this rank's rows of it
+                        sub = select(r, mb) if len(mb) else r
                         m = mask[mb]
-                        norm_mb = loss_normalizer(m)
-                        with ctx.autocast():
-                            logits = completion_logits(t.model, sub)  # (b, N, V)
-                            logps = token_logprobs(logits, sub.completion_ids)
-                            pl, pstats = ppo_clip_loss(logps, old_logps[mb], advantages[mb], m, clip_low=cfg.clip, clip_high=cfg.clip)
-                            policy_loss = token_mean(pl, m, norm_mb)
+                        norm_mb = (loss_normalizer(m) if ranks.world_size == 1 else  # the global minibatch's tokens
+                                   LossNormalizer(num_tokens=ranks.sum({"t": float(m.sum())})["t"], num_sequences=float(len(picked)), constant_length=None))
                         where = f"update {epoch * minibatches + k + 1} of {cfg.ppo_epochs * minibatches}"
-                        policy_loss.backward()
-                        policy_grad = guarded_update(t, cfg.optim, {"loss/policy": policy_loss.item()}, step=step, where=where)
-                        with ctx.autocast():
-                            vl, vstats = clipped_value_loss(completion_values(critic, sub), old_values[mb], returns[mb], m, clip=cfg.value_clip)
-                            value_loss = token_mean(vl, m, norm_mb)
-                        value_loss.backward()
-                        guarded_update(critic_t, cfg.optim, {"loss/value": value_loss.item()}, step=step, where=where)
-                        with torch.no_grad():
-                            entropy = token_mean(entropy_from_logits(logits.detach()), m, norm_mb)
-                        stats.append({"loss/policy": policy_loss.item(), "loss/value": value_loss.item(), "train/grad_norm": policy_grad,
-                                      "entropy": entropy.item(), **{f"policy/{k}": v for k, v in pstats.as_floats().items()},
-                                      "value/clip_frac": vstats.as_floats()["clip_frac"]})
+                        mb_stats: dict[str, float] = {}
+                        if len(mb):  # a rank may hold none of this minibatch's rows: it contributes zeros
+                            with ctx.autocast():
+                                logits = completion_logits(t.model, sub)  # (b, N, V)
+                                logps = token_logprobs(logits, sub.completion_ids)
+                                pl, pstats = ppo_clip_loss(logps, old_logps[mb], advantages[mb], m, clip_low=cfg.clip, clip_high=cfg.clip)
+                                policy_loss = token_mean(pl, m, norm_mb)
+                            policy_loss.backward()
+                            mb_stats.update({"loss/policy": policy_loss.item(), **{f"policy/{k}": v for k, v in pstats.as_floats().items()}})
+                            with torch.no_grad():
+                                mb_stats["entropy"] = token_mean(entropy_from_logits(logits.detach()), m, norm_mb).item()
+                        all_reduce_gradients(ranks, t.model)  # a sync point (identity in one process)
+                        p_loss = ranks.sum({"p": mb_stats.get("loss/policy", 0.0)})["p"]
+                        policy_grad = guarded_update(t, cfg.optim, {"loss/policy": p_loss}, step=step, where=where)
+                        if len(mb):
+                            with ctx.autocast():
+                                vl, vstats = clipped_value_loss(completion_values(critic, sub), old_values[mb], returns[mb], m, clip=cfg.value_clip)
+                                value_loss = token_mean(vl, m, norm_mb)
+                            value_loss.backward()
+                            mb_stats.update({"loss/value": value_loss.item(), "value/clip_frac": vstats.as_floats()["clip_frac"]})
+                        all_reduce_gradients(ranks, critic)
+                        v_loss = ranks.sum({"v": mb_stats.get("loss/value", 0.0)})["v"]
+                        guarded_update(critic_t, cfg.optim, {"loss/value": v_loss}, step=step, where=where)
+                        if ranks.world_size > 1:  # every rank the same keys: zeros weighted by 0 tokens where it held no rows
+                            keys = ["loss/policy", "entropy", "loss/value", "value/clip_frac"] + [f"policy/{k}" for k in PolicyStats.__dataclass_fields__]
+                            mb_stats = reduce_stats(ranks, {k: mb_stats.get(k, 0.0) for k in keys}, float(m.sum()))
+                        stats.append({**mb_stats, "train/grad_norm": policy_grad})
                 next_step(t)
                 next_step(critic_t)
             with ctx.phase("sync", stage=cfg.folder, step=step) as ph:  # the next rollout samples the updated policy
@@ -248,25 +330,31 @@ def run_ppo(cfg: PPOStage, ctx: RunContext) -> StageResult:
             kl = kl_stats.as_floats()
             known = [g for g in golds if g is not None]
             metrics = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+            rows = {"rm/score": rm_score.mean().item(), "rm/score_raw": (rm_score * norm.std + norm.mean).mean().item(),
+                    "objective/score": kl["score"], "kl": kl["kl"], "objective/non_score_reward": kl["non_score_reward"],
+                    "response/length": r.completion_lengths.float().mean().item(), "response/truncated": truncated.float().mean().item()}
+            rows = ranks.mean(rows, dict.fromkeys(rows, float(len(r))))  # means over every rank's rollouts
+            gold_sums = ranks.sum({"n": len(known), "reward": sum(known), "correct": sum(g > 0 for g in known)})
             metrics.update({
-                "rm/score": rm_score.mean().item(), "rm/score_raw": (rm_score * norm.std + norm.mean).mean().item(),
-                "objective/score": kl["score"], "kl": kl["kl"], "kl_coef": kl_ctl.value, "objective/non_score_reward": kl["non_score_reward"],
-                "value/explained_variance": explained_variance(old_values, returns, mask),
-                "response/length": r.completion_lengths.float().mean().item(), "response/truncated": truncated.float().mean().item(),
-                "train/lr": t.scheduler.get_last_lr()[0], "train/rollouts_per_s": len(r) / (time.perf_counter() - t0),
+                **rows, "kl_coef": kl_ctl.value,
+                "value/explained_variance": explained_variance_over_ranks(ranks, old_values, returns, mask),
+                "train/lr": t.scheduler.get_last_lr()[0], "train/rollouts_per_s": len(drawn) / (time.perf_counter() - t0),
                 **t.guard.metrics(), **critic_t.guard.metrics("critic")})
-            if known:
-                metrics.update({"gold/reward": sum(known) / len(known), "gold/correct": sum(g > 0 for g in known) / len(known)})
-            kl_ctl.update(kl["kl"], n_steps=len(r))
-            if step == cfg.steps and cfg.eval_per_level and gold is not None and gold.has(Capability.EVALS):
+            if gold_sums["n"]:
+                metrics.update({"gold/reward": gold_sums["reward"] / gold_sums["n"], "gold/correct": gold_sums["correct"] / gold_sums["n"]})
+            kl_ctl.update(rows["kl"], n_steps=len(drawn))
+            if (step == cfg.steps and cfg.eval_per_level and gold is not None and gold.has(Capability.EVALS)
+                    and ranks.is_main):  # rank 0 alone: the ranks hold the same weights
                 metrics.update(gold_comparison(ctx, cfg, gold, t.model, reference, step))
             if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
                 ctx.log(cfg.folder, step, metrics)
-            bar.update(task, completed=step, info=f"rm {metrics['rm/score']:+.2f}  gold {metrics.get('gold/reward', float('nan')):.2f}  kl {kl['kl']:.2f}")
+            bar.update(task, completed=step, info=f"rm {metrics['rm/score']:+.2f}  gold {metrics.get('gold/reward', float('nan')):.2f}  kl {rows['kl']:.2f}")
             if step % cfg.save_every == 0 and step < cfg.steps:
+                check_replicas_agree(ranks, critic, f"{cfg.folder} critic step {step}")  # `save` checks the policy
                 save(ctx, cfg, t, data_state=data_state())
 
     # ---- save ----------------------------------------------------------------------------------
+    check_replicas_agree(ranks, critic, f"{cfg.folder} critic step {t.step}")  # `save` checks the policy
     final = save(ctx, cfg, t, data_state=data_state(), final=True)
     summary = {k: v for k, v in metrics.items() if k.startswith(("eval/", "rm/", "gold/", "kl"))}
     return StageResult(final, summary)

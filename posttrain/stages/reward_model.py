@@ -16,6 +16,12 @@ Departures:
 3. The stage hands the pipeline its *start* checkpoint (the policy), not the reward model: the next
    stage (PPO) continues the policy and finds the reward model by name. `reward_norm.json` records
    the policy too, so a PPO stage handed the reward model (the pipeline's resume path) can recover it.
+
+Data-parallel (docs/distributed.md; replicate only): every rank draws the same global batch of
+rankings, cuts it into the same micro-batches (`grad_accum` rounded up to a multiple of the world size)
+and runs those dealt to it; the loss stays normalized by the global batch's rankings, the gradients and
+the loss are summed over the ranks, the per-micro-batch statistics averaged over all of them. Evals, the
+normalization and the final checkpoint are rank 0's (the ranks hold the same weights).
 """
 
 from __future__ import annotations
@@ -49,7 +55,16 @@ from posttrain.runtime.config import task_names
 from posttrain.stages._gold_eval import gold_task
 from posttrain.tasks import Capability, Task
 from posttrain.stages._preference_data import encode_ranking_like, load_records
-from posttrain.stages._training import Trainer, optimizer_step, save, start_or_resume
+from posttrain.distributed import DistributedError, deal
+from posttrain.stages._training import (
+    Trainer,
+    batch_split_problem,
+    micro_batch_count,
+    optimizer_step,
+    reduce_gradients,
+    save,
+    start_or_resume,
+)
 from posttrain.telemetry import costs
 
 Item = list[EncodedCompletion]  # one ranking's responses, best first (a pair: [chosen, rejected])
@@ -161,8 +176,15 @@ def save_final(ctx: RunContext, cfg: RewardModelStage, t: Trainer, norm: RewardN
     return publish(ctx.stage_dir(cfg.folder) / FINAL, write)
 
 
+def data_parallel_problem(cfg: RewardModelStage, world_size: int) -> str | None:
+    """Why this stage cannot run on `world_size` ranks, or None."""
+    return batch_split_problem(cfg, world_size, "rankings")
+
+
 def run_reward_model(cfg: RewardModelStage, ctx: RunContext) -> StageResult:
     # ---- setup ---------------------------------------------------------------------------------
+    if problem := data_parallel_problem(cfg, ctx.ranks.world_size):
+        raise DistributedError(problem)
     tok, seed = ctx.tokenizer, ctx.recipe.seed
     loaded = [load_records(ctx.tasks, cfg.data, "preference", seed=seed)] if cfg.data else []
     loaded += [load_records(ctx.tasks, cfg.rankings, "ranking", seed=seed)] if cfg.rankings else []
@@ -180,15 +202,18 @@ def run_reward_model(cfg: RewardModelStage, ctx: RunContext) -> StageResult:
     # a new zero head on the start policy, or the scalar model of the checkpoint being resumed
     t = start_or_resume(ctx, cfg, load=lambda path, resuming: load_scalar_model(path, device=ctx.device,
                                                                                 zero_head=not resuming),
-                        heads=("score",))  # with LoRA the scalar head trains in full beside the adapter
+                        heads=("score",), data_parallel=True)  # with LoRA the scalar head trains in full beside the adapter
     sampler = EpochSampler(len(train), cfg.batch_size, seed=seed)
     if t.data_state is not None:
         sampler.load_state_dict(t.data_state)
-    micro = cfg.batch_size // cfg.grad_accum
+    ranks, n_micro = ctx.ranks, micro_batch_count(cfg.grad_accum, ctx.ranks.world_size)
+    micro = cfg.batch_size // n_micro
     pairs_per_step = cfg.batch_size * sum(len(i) * (len(i) - 1) // 2 for i in train) / len(train)
     ctx.console.print(
         f"{cfg.folder}: {len(train):,} rankings/pairs ({sum(skipped.values())} skipped: {skipped or 'none'}); "
-        f"{cfg.batch_size} per step (≈{pairs_per_step:.0f} pairs) in {cfg.grad_accum} micro-batches; "
+        f"{cfg.batch_size} per step (≈{pairs_per_step:.0f} pairs) in {n_micro} micro-batches"
+        + (f" ({ranks.world_size} ranks × {n_micro // ranks.world_size} of {micro})" if ranks.world_size > 1 else "")
+        + "; "
         f"{sampler.batches_per_epoch} steps per epoch; {len(val)} held-out pairs")
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -202,20 +227,23 @@ def run_reward_model(cfg: RewardModelStage, ctx: RunContext) -> StageResult:
             with ctx.phase("update", stage=cfg.folder, step=step,
                            cost=costs.train_step(t.model.config, batch=rows, seq_len=seq_len, logits="scalar")):
                 total, parts = 0.0, []
-                for i in range(0, len(batch), micro):
+                for i in deal(range(0, len(batch), micro), ranks):  # this rank's micro-batches (all in one process)
                     with ctx.autocast():
                         loss, stats = ranking_loss(t.model, batch[i : i + micro], tok.pad_token_id, normalizer=len(batch))
                     loss.backward()
                     total += loss.item()
                     parts.append(stats.as_floats())
+                reduce_gradients(t, ranks)  # the step's gradient: every rank's micro-batches (a sync point)
+                total = ranks.sum({"loss": total})["loss"]
                 grad_norm = optimizer_step(t, cfg.optim, {"loss/reward_model": total})
             metrics = {"loss/reward_model": total, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0],
                        "train/sequences_per_s": rows / (time.perf_counter() - t0), **t.guard.metrics()}
-            metrics.update({f"train/{k}": sum(p[k] for p in parts) / len(parts) for k in parts[0]})
-            if val and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps):
+            means = ranks.mean({k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}, dict.fromkeys(parts[0], len(parts)))
+            metrics.update({f"train/{k}": v for k, v in means.items()})  # means over every micro-batch
+            if val and ranks.is_main and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps):
                 with ctx.phase("eval", stage=cfg.folder, step=step):
                     metrics.update(pair_accuracy(t.model, val, kinds, tok.pad_token_id))
-            if step == cfg.steps:
+            if step == cfg.steps and ranks.is_main:
                 norm, agreement = normalize_and_agree(ctx, cfg, t.model, step, norm_problems, gold)
                 metrics.update(agreement)
             if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
@@ -225,7 +253,10 @@ def run_reward_model(cfg: RewardModelStage, ctx: RunContext) -> StageResult:
                 save(ctx, cfg, t, data_state=sampler.state_dict())
 
     # ---- save ----------------------------------------------------------------------------------
-    final = save_final(ctx, cfg, t, norm)
-    ctx.console.print(f"{cfg.folder}: reward model → {final}  (normalization: mean {norm.mean:.3f}, std {norm.std:.3f})")
+    final = ctx.stage_dir(cfg.folder) / FINAL
+    if ranks.is_main:
+        final = save_final(ctx, cfg, t, norm)
+        ctx.console.print(f"{cfg.folder}: reward model → {final}  (normalization: mean {norm.mean:.3f}, std {norm.std:.3f})")
+    ranks.barrier()  # a sync point: the reward model is published for every rank (PPO loads it next)
     summary = {k: v for k, v in metrics.items() if k.startswith(("loss/", "eval/"))}
     return StageResult(ctx.start, {**summary, "data/skipped": float(sum(skipped.values()))})

@@ -19,11 +19,11 @@ import torch
 
 from posttrain.data import EncodedSFT, EpochSampler, collate_sft, encode_sft_dataset, mix, read_jsonl
 from posttrain.data.records import SFTExample
-from posttrain.distributed import DistributedError, all_reduce_gradients, deal
+from posttrain.distributed import DistributedError, deal
 from posttrain.losses import sft_loss, token_logprobs
 from posttrain.runtime.config import DataSource, SFTStage, task_names
 from posttrain.runtime.context import RunContext, StageResult
-from posttrain.stages._training import optimizer_step, save, start_or_resume
+from posttrain.stages._training import micro_batch_sync, optimizer_step, reduce_gradients, save, start_or_resume
 from posttrain.tasks import Capability
 from posttrain.telemetry import costs
 
@@ -101,7 +101,7 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
         train = [e for e in train if not e.truncated]  # "drop": over-long examples are counted and left out
         ctx.console.print(f"[yellow]{cfg.folder}: dropped {n_trunc} examples longer than max_len={cfg.max_len}")
     val, _ = encode_sft_dataset(heldout_examples(ctx, cfg), tok, cfg.max_len, truncation="right")
-    t = start_or_resume(ctx, cfg, data_parallel=True)
+    t = start_or_resume(ctx, cfg, data_parallel=True, shardable=True)
     sampler = EpochSampler(len(train), cfg.batch_size, seed=ctx.recipe.seed)
     if t.data_state is not None:
         sampler.load_state_dict(t.data_state)
@@ -133,19 +133,21 @@ def run_sft(cfg: SFTStage, ctx: RunContext) -> StageResult:
                              for c in mine), costs.adamw(t.model.config))
             with ctx.phase("update", stage=cfg.folder, step=step, cost=step_cost):
                 total = 0.0
-                for chunk in mine:
+                for i, chunk in enumerate(mine):
+                    micro_batch_sync(t, i, len(mine))  # FSDP: reduce-scatter after the last backward only
                     with ctx.autocast():
                         loss, _ = sft_batch_loss(t.model, chunk, tok.pad_token_id, num_tokens)
                     loss.backward()
                     total += loss.item()
-                all_reduce_gradients(ranks, t.model)  # the step's gradient: every rank's micro-batches (a sync point)
+                reduce_gradients(t, ranks)  # the step's gradient: every rank's micro-batches (a sync point)
                 total = ranks.sum({"loss/sft": total})["loss/sft"]  # the step's loss, for the guard and the log
                 grad_norm = optimizer_step(t, cfg.optim, {"loss/sft": total})
             metrics = {"loss/sft": total, "train/grad_norm": grad_norm, "train/lr": t.scheduler.get_last_lr()[0],
                        "train/tokens_per_s": padded / (time.perf_counter() - t0),
                        "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch, **t.guard.metrics()}
             evaluates = bool(val) and bool(cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps)
-            if evaluates and ranks.is_main:
+            # sharded weights: every rank runs the eval's forwards (each all-gathers); rank 0 logs it
+            if evaluates and (ranks.is_main or t.sharded):
                 with ctx.phase("eval", stage=cfg.folder, step=step):
                     metrics["eval/loss"] = heldout_loss(t.model, val, tok.pad_token_id)
             if step % cfg.log_every == 0 or evaluates:  # the same steps on every rank: ctx.log is a collective
