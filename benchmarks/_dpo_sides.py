@@ -83,6 +83,7 @@ def run_ours(model_dir: Path, pairs: Path, *, steps: int, batch: int, max_len: i
     from rich.console import Console
 
     from posttrain.models import load_tokenizer
+    from posttrain.runtime.allocator import set_mmap_threshold
     from posttrain.runtime.config import Recipe
     from posttrain.runtime.context import RunContext
     from posttrain.stages.dpo import run_dpo
@@ -90,6 +91,7 @@ def run_ours(model_dir: Path, pairs: Path, *, steps: int, batch: int, max_len: i
     from posttrain.telemetry import Telemetry
 
     torch.set_num_threads(threads)
+    set_mmap_threshold(int(Recipe.model_fields["mmap_threshold_mib"].default * 2**20))  # as `posttrain run` does
     stage = {"stage": "dpo", "steps": steps, "batch_size": batch, "beta": BETA, "data": [{"path": str(pairs)}],
              "max_len": max_len, "eval_per_level": 0, "log_every": 1, "save_every": 10_000,
              "optim": {"lr": LR, "warmup_steps": 0, "weight_decay": 0.0, "min_lr_ratio": 1.0}}

@@ -81,6 +81,7 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
     from rich.console import Console
 
     from posttrain.models import load_tokenizer
+    from posttrain.runtime.allocator import set_mmap_threshold
     from posttrain.runtime.config import Recipe
     from posttrain.runtime.context import RunContext
     from posttrain.stages.grpo import run_grpo
@@ -90,6 +91,7 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
     from posttrain.worlds.arithmetic import ArithmeticWorld
 
     torch.set_num_threads(threads)
+    set_mmap_threshold(int(Recipe.model_fields["mmap_threshold_mib"].default * 2**20))  # as `posttrain run` does (runtime/allocator.py)
     stage = {"stage": "grpo", "steps": steps + 1, "batch_size": SEQS, "group_size": G, "max_new_tokens": completion, "max_prompt_len": 160,
              "temperature": 1.0, "kl_coef": 0.0, "loss": "dapo", "mu": 1, "rewards": [{"name": "gold"}],
              "data": [{"path": str(data)}], "log_every": 1, "save_every": steps + 1,
@@ -109,7 +111,10 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
 
     with tempfile.TemporaryDirectory() as run_dir:
         # the stage's phases timed (a clock read each; no busy sampler, no files): the split below
-        telemetry = Telemetry.open(None, device="cpu", dtype=torch.bfloat16 if bf16 else torch.float32, busy=False)
+        # memory=False: the phase meter resets the kernel's high-water mark at every phase (clear_refs), which
+        # would leave the process peak read below (VmHWM) covering only the last phase
+        telemetry = Telemetry.open(None, device="cpu", dtype=torch.bfloat16 if bf16 else torch.float32, busy=False,
+                                   memory=False)
         ctx = RunContext(run_dir=Path(run_dir), recipe=recipe, device=torch.device("cpu"),
                          tokenizer=load_tokenizer(model_dir), tasks=TaskSet.of(ArithmeticTask(world=ArithmeticWorld(seed=0))),
                          telemetry=telemetry, sink=Sink(), start=model_dir, console=Console(quiet=True))

@@ -31,6 +31,7 @@ from posttrain.doctor.diagnose import RUN_RULES
 from posttrain.models import NAMED_CHECKPOINTS, build_tiny, checkpoint_folder, count_parameters, load_model, load_tokenizer, train_tokenizer
 from posttrain.models.tiny import PRESETS
 from posttrain.rollout.engine import backend_unavailable_reason
+from posttrain.runtime.allocator import set_mmap_threshold
 from posttrain.runtime.checkpoint import FINAL, final_checkpoint, publish
 from posttrain.runtime.config import Recipe, task_names
 from posttrain.runtime.context import RunContext, StageResult, eval_plan, make_tasks
@@ -281,6 +282,8 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
         tokenizer = load_tokenizer(start)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
+    if recipe.mmap_threshold_mib is not None and (why := set_mmap_threshold(int(recipe.mmap_threshold_mib * 2**20))):
+        console.print(f"[yellow]mmap_threshold_mib: not applied — {why}[/]")
     device = ranks.device(recipe.device)
 
     t0 = time.perf_counter()

@@ -497,6 +497,7 @@ class Recipe(Strict):
     device: str = Field("cpu", description="torch device")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="training precision (bf16 = autocast, fp32 master weights)")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's)")
+    mmap_threshold_mib: float | None = Field(4.0, gt=0, le=32, description="CPU tensors of at least this many MiB get their own memory mapping, returned to the OS when freed (glibc's mallopt; posttrain/runtime/allocator.py) — keeps the resident set from climbing step after step on long sequences; null = glibc's dynamic threshold")
     world_seed: int = Field(0, description="seed of the arithmetic task's world (its splits and held-out problems)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     evals: list[EvalSpec] = Field(default_factory=list, description="held-out evals after every stage (and of a loaded start): exactly these, none by default")
