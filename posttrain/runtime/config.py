@@ -150,9 +150,21 @@ class SFTStage(TrainStage):
 class RewardSpec(Strict):
     """One verifier of an RLVR stage and its weight in the summed reward (docs/rewards.md, docs/rlvr.md)."""
 
-    name: Literal["math", "format", "overlong", "length", "code", "gold"] = Field(description="a posttrain.rewards verifier, or `gold`: the arithmetic world's gold judge")
+    name: Literal["math", "format", "overlong", "length", "code", "gold", "reward_model"] = Field(description="a posttrain.rewards verifier, `gold`: the arithmetic world's gold judge, or `reward_model`: a trained reward model's normalized score (needs `stage`)")
     weight: float = Field(1.0, description="weight in the summed reward (0 = computed and logged only)")
     params: dict[str, Any] = Field(default_factory=dict, description="the verifier's parameters, e.g. {think: optional}")
+    stage: str | None = Field(None, description="reward_model only: a reward_model stage of this run (its final checkpoint) or a reward-model folder (with reward_norm.json)")
+
+    @model_validator(mode="after")
+    def _reward_model_named(self) -> RewardSpec:
+        if self.name == "reward_model":
+            if not (self.stage or "").strip():
+                raise ValueError("reward `reward_model` needs `stage`: a reward_model stage of this run or a reward-model folder")
+            if self.params:
+                raise ValueError(f"reward `reward_model` takes no params, got {sorted(self.params)}")
+        elif self.stage is not None:
+            raise ValueError(f"reward {self.name!r}: `stage` is for `reward_model` only")
+        return self
 
 
 class EnvSpec(Strict):

@@ -75,6 +75,7 @@ from posttrain.stages._rlvr import (
     close_rewards,
     encode_problems,
     load_problems,
+    load_reward_models,
     score_rollout,
 )
 from posttrain.telemetry import costs
@@ -257,7 +258,8 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     prompts = encode_problems(problems, tok, cfg.max_prompt_len)
     scorer = (RewardModelScorer(resolve_reward_model(ctx, cfg.reward_model, stage), ctx.device)
               if cfg.reward_model is not None else None)
-    if scorer is not None and teacher is not None and tok.get_vocab() != ctx.tokenizer.get_vocab():
+    uses_rm = scorer is not None or any(r.name == "reward_model" for r in cfg.rewards)
+    if uses_rm and teacher is not None and tok.get_vocab() != ctx.tokenizer.get_vocab():
         raise ValueError(f"{stage}: teacher {cfg.teacher!r} has another tokenizer than the run's, and reward_model "
                          f"{cfg.reward_model!r} scores the run's token ids; use verifiers (`rewards`) alone with this teacher")
     out_path = output_path(cfg, ctx.run_dir)
@@ -271,6 +273,7 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     if note:
         ctx.console.print(f"[yellow]{stage}: {note}" + (f"; resuming after batch {len(journaled)} of {n_steps}" if journaled else ""))
     verifiers = build_rewards(cfg.rewards)
+    load_reward_models(verifiers, ctx, stage)
     model = engine = None
     if len(journaled) < n_steps:  # something left to generate
         model = ctx.load_model(gen_path)
