@@ -88,7 +88,8 @@ def check(run_dir: Path, stages: list[str]) -> None:
 
 
 def test_every_shipped_recipe_validates_and_names_its_command():
-    assert set(SHIPPED) >= {"quickstart", "instructgpt", "r1", "r1-zero", "rlvr-arithmetic", "llama3", "tools-arithmetic"}
+    assert set(SHIPPED) >= {"quickstart", "instructgpt", "r1", "r1-zero", "rlvr-arithmetic", "llama3", "tools-arithmetic",
+                            "tulu3", "qwen2.5"}
     for name in SHIPPED + ["smollm2-own-data"]:
         path = RECIPES / f"{name}.yaml"
         load_recipe(path)
@@ -146,8 +147,16 @@ LLAMA3_SHRUNK = [f"{LLAMA3_COLLECT}.min_reward=-1", f"{LLAMA3_COLLECT}.pair_marg
                  f"{LLAMA3_COLLECT}.rewards=[{{name: length, params: {{max_len: 128, count: chars}}}}]"]
 
 
+# tulu3's and qwen2.5's on-policy collect steps, shrunk, the same way: scored by length so pairs exist.
+def collect_shrunk(at: str) -> list[str]:
+    return [f"{at}.min_reward=-1", f"{at}.pair_margin=0", f"{at}.samples=8", f"{at}.max_new_tokens=32",
+            f"{at}.rewards=[{{name: length, params: {{max_len: 128, count: chars}}}}]"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, stages, extra", [
+    ("tulu3", ["pretrain", "sft", "prefs", "dpo", "rlvr"], collect_shrunk("stages.2")),
+    ("qwen2.5", ["pretrain", "sft", "offline_prefs", "offline_dpo", "reward_model", "online_rl"], collect_shrunk("stages.2")),
     ("r1-zero", ["pretrain", "grpo"], []),
     ("instructgpt", ["pretrain", "sft", "reward_model", "ppo"], []),
     ("r1", ["pretrain", "sft", "grpo", "rejection_sampling", "sft_rs", "grpo2"], []),
@@ -158,6 +167,10 @@ def test_shipped_recipe_runs_end_to_end(name, stages, extra, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     run_dir = run_shrunk(name, tmp_path, extra)
     check(run_dir, stages)
+    if name == "qwen2.5":  # the online RL stage summed the reward model with the rule rewards
+        rl = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"online_rl"' in x]
+        scored = [m for m in rl if "reward/total" in m]
+        assert scored and all({"reward/reward_model", "reward/math", "reward/format"} <= set(m) for m in scored)
     if name == "llama3":  # each round's data under runs/llama3/rounds/<k>/, its eval rows carry the round
         assert all((run_dir / "rounds" / str(k) / f).is_file() for k in (1, 2, 3) for f in ("sft.jsonl", "pairs.jsonl"))
         evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
