@@ -80,6 +80,9 @@ def check(run_dir: Path, stages: list[str]) -> None:
         assert (run_dir / "checkpoints" / stage / "final" / "manifest.json").is_file(), stage
     evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
     assert set(stages) <= {e["stage"] for e in evals}  # the recipe's evals ran after every stage
+    # every checkpoint after the first evaluated carries its bisect marks against the one before it
+    first = evals[0]["stage"]
+    assert all(e["moved"] in ("up", "down", "none", "unknown") and e["vs"] for e in evals if e["stage"] != first)
     doctor = json.loads((run_dir / "doctor.json").read_text())
     assert "findings" in doctor
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
