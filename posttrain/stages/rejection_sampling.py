@@ -45,6 +45,9 @@ Departures (numbered):
 8. With `gates`, the rows to be written pass through the quality gates (exact / near dedup,
    decontamination against the recipe's evals; `_collect_gates.py`), their counts logged as
    `gate/…` metrics with the stage's summary row — per round inside a rounds block.
+9. With `judge`, an AI judge (a local chat model or an OpenAI-compatible endpoint; rubric or pairwise)
+   scores the finished candidates in the `score` phase, its score × `judge.weight` added to the sum,
+   and its agreement with the task's gold judge logged (`_collect_judge.py`, docs/judges.md).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from posttrain.runtime.config import Recipe, RejectionSamplingStage
 from posttrain.runtime.context import RunContext, StageResult
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import Rollout, SamplingParams
+from posttrain.stages._collect_judge import gold_task, judge_backend, judge_batch, pooled, with_judge
 from posttrain.stages._collect_gates import gate_metrics, gate_rows, recipe_eval_index
 from posttrain.stages._collect_journal import Journal, JudgedBatch, fingerprint, journal_path, read_journal
 from posttrain.stages._learned_reward import (
@@ -280,9 +284,18 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
         engine = ctx.rollout_engine(model, tokenizer=tok)
         with ctx.phase("sync", stage=stage, step=len(journaled) + 1) as ph:  # the sampler's weights into the engine, once
             ph.cost = costs.Cost(bytes=engine.sync_weights(model))
+    judge_chat = gold = None  # the AI judge's backend, built only when there is something to judge; the gold that measures it
+    if cfg.judge is not None:
+        gold = gold_task(ctx, cfg.data)
+        if model is not None:
+            judge_chat = judge_backend(cfg.judge, ctx, model, tok, engine)
     scored_by = [f"{r.name}×{r.weight:g}" for r in cfg.rewards]
     if scorer is not None:
         scored_by.append(f"reward model {scorer.path}×{cfg.reward_model_weight:g}")
+    if cfg.judge is not None:
+        scored_by.append(f"{cfg.judge.mode} judge ({cfg.judge.backend}"
+                         + (f" {cfg.judge.checkpoint}" if cfg.judge.backend == "local" else f" {cfg.judge.model}")
+                         + f")×{cfg.judge.weight:g}" + ("" if gold is None else f", measured against {gold.name}'s gold judge"))
     ctx.console.print(f"{stage}: {len(problems):,} prompts × N={cfg.samples} samples at T={cfg.temperature}"
                       + (f" from teacher {gen_path}" if teacher is not None else "") + f"; keep "
                       f"{cfg.keep} with summed reward ≥ {cfg.min_reward} ({', '.join(scored_by)}) → {out_path}"
@@ -299,8 +312,14 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                                   new_tokens=max(1, ro.completion_ids.shape[1]))
         rm_cost = None if scorer is None else costs.forward(
             scorer.model.config, batch=len(ro), seq_len=ro.sequence_ids.shape[1], logits="scalar")
-        with ctx.phase("score", stage=stage, step=step, cost=rm_cost):  # the reward model's forward, if any
+        with ctx.phase("score", stage=stage, step=step, cost=rm_cost):  # the reward model's forward, the judge's requests
             total, metrics = score(verifiers, scorer, cfg.reward_model_weight, ro, [problems[i] for i in idx])
+            if judge_chat is not None and cfg.judge is not None:
+                rows = [problems[idx[k]] for k in ro.prompt_index.tolist()]
+                g = gold.gold_rewards(rows, ro.texts, ro.finish_reason) if gold is not None else None
+                judged = judge_batch(judge_chat, cfg.judge, rows, ro.texts, ro.finish_reason, cfg.samples, g)
+                total, judge_m = with_judge(total, judged, cfg.judge.weight)
+                metrics.update({**judged.metrics, **judge_m})
         return JudgedBatch(step, list(ro.texts), list(ro.finish_reason), list(total), metrics)
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -312,6 +331,7 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
               **({"prompts_without_pair": 0} if cfg.pairs else {})}
     samples = passes = 0
     last: dict[str, float] = {}
+    batch_metrics: list[dict[str, float]] = []  # every batch's, replayed ones too: the judge's pooled counts
     journal = Journal(jpath, stage, fp, keep=len(journaled))
     try:
         with ctx.progress() as bar:
@@ -324,6 +344,7 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                     batch = judge(step, idx)
                     journal.append(batch)  # durable before the next batch starts
                 total, texts, finish = batch.total, batch.texts, batch.finish
+                batch_metrics.append(batch.metrics)
                 kept_before = len(rows)
                 for j, i in enumerate(idx):
                     sl = slice(j * cfg.samples, (j + 1) * cfg.samples)
@@ -377,7 +398,8 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                "rs/batches_replayed": float(len(journaled)), "rs/batches_judged": float(n_steps - len(journaled)),
                **({"rs/pairs": float(len(pair_rows))} if cfg.pairs else {}),
                **{f"rs/{k}": float(v) for k, v in totals.items()},
-               **gate_metrics(gated), **gate_metrics(pairs_gated, "pairs.")}
+               **gate_metrics(gated), **gate_metrics(pairs_gated, "pairs."),
+               **(pooled(batch_metrics) if cfg.judge is not None else {})}
     ctx.log(stage, n_steps, {**last, **summary})
     ctx.console.print(f"{stage}: wrote {len(rows):,} SFT rows to {out_path} (accept rate {passes / samples:.1%}; "
                       f"{totals['prompts_without_keep']} prompts without a kept sample, {totals['duplicates']} duplicates)")
@@ -386,6 +408,11 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
         ctx.console.print(f"{stage}: wrote {len(pair_rows):,} preference pairs to {pairs_out} "
                           f"({totals['prompts_without_pair']} prompts without a pair)")
         data.update(pairs_output=str(pairs_out), pairs=len(pair_rows))
+    if "judge/agreement_with_gold" in summary:
+        ctx.console.print(f"{stage}: judge vs the gold judge: agreement {summary['judge/agreement_with_gold']:.3f} ± "
+                          f"{summary['judge/agreement_se']:.3f} on {summary['judge/agreement_n']:.0f} pairs the gold separates "
+                          f"(ties {summary['judge/ties']:.0f}, unparseable {summary['judge/unparseable']:.0f}); "
+                          f"{summary['judge/requests']:.0f} judge requests")
     if journaled:
         ctx.console.print(f"{stage}: {len(journaled)} of {n_steps} batches replayed from {jpath} "
                           f"(not generated, not judged again); {n_steps - len(journaled)} judged now")
