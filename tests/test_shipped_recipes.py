@@ -17,7 +17,8 @@ from posttrain.runtime.config import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
-# The smollm2 recipe needs the real checkpoint: tests/test_tasks_pipeline.py runs it (shrunk and as shipped).
+# The smollm2 recipe needs the real checkpoint: tests/test_tasks_pipeline.py runs it (shrunk and as shipped);
+# the *-smollm2 variants of the published recipes run shrunk below (test_smollm2_variant_runs_end_to_end).
 SHIPPED = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem != "smollm2-own-data")
 
 # A field present in a stage is shrunk to this; everything else stays as the recipe wrote it.
@@ -202,3 +203,34 @@ def test_r1_distill_teacher_student_and_rl_arm(tmp_path, monkeypatch):
     evals = {r: [json.loads(x) for x in (d / "evals.jsonl").read_text().splitlines()] for r, d in (("s", student), ("r", rl))}
     strip = lambda rows, st: [(e["level"], e["metric"], e["value"]) for e in rows if e["stage"] == st]  # noqa: E731
     assert strip(evals["r"], "base") == strip(evals["s"], "pretrain") != []
+
+
+# The published recipes' SmolLM2 variants, shrunk: the real checkpoint (offline, the `smollm2` fixture), the
+# recipe's data files cut to 8 rows (in the working directory, where the run's relative paths resolve),
+# each collect step scored by length (SmolLM2 answers most sums right, so the exact answer alone
+# would leave two samples with no pair between them).
+def smollm2_collect(at: str) -> list[str]:
+    return [f"{at}.min_reward=-1", f"{at}.pair_margin=0", f"{at}.samples=2", f"{at}.max_new_tokens=8",
+            f"{at}.rewards=[{{name: length, params: {{max_len: 64, count: chars}}}}]"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, stages, extra", [
+    ("qwen2.5-smollm2", ["sft", "offline_prefs", "offline_dpo", "reward_model", "online_rl"], smollm2_collect("stages.1")),
+    ("tulu3-smollm2", ["sft", "prefs", "dpo", "rlvr"], smollm2_collect("stages.1")),
+    ("llama3-smollm2", ["sft"] + [f"r{k}.{s}" for k in (1, 2) for s in ("rejection_sampling", "sft", "dpo")],
+     smollm2_collect("stages.1.rounds.stages.0")),
+    ("r1-distill-smollm2", ["pretrain", "distill_collect", "distill_sft"],
+     [x for x in smollm2_collect("stages.1") if "pair_margin" not in x]),
+])
+def test_smollm2_variant_runs_end_to_end(name, stages, extra, smollm2, tmp_path, monkeypatch):
+    assert smollm2.is_dir()  # the cached folder `smollm2-135m-instruct` resolves to
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "recipes" / "data" / "smollm2"  # the recipe's files, cut to their first 8 rows each
+    data.mkdir(parents=True)
+    for f in (RECIPES / "data" / "smollm2").glob("*.jsonl"):
+        (data / f.name).write_text("".join(f.read_text().splitlines(keepends=True)[:8]))
+    run_dir = run_shrunk(name, tmp_path, extra)
+    check(run_dir, stages)
+    evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert {e["eval"] for e in evals} == {"add2"}

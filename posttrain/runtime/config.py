@@ -266,7 +266,7 @@ class RejectionSamplingStage(StageBase):
     draw: int = Field(0, ge=0, description="which draw of a task's problems and of the sampling seeds: another draw, other prompts and samples (in a rounds block `draw: \"{round}\"` gives each round fresh prompts)")
     gates: list[Literal["exact_dedup", "near_dedup", "decontaminate"]] = Field(default_factory=list, description="quality gates on the rows before they are written, in order (docs/gates.md); decontaminate: against the recipe's evals; each gate's counts join the stage's summary metrics")
     judge: CollectJudge | None = Field(None, description="an AI judge (a local chat model or an endpoint, rubric or pairwise) whose score × judge.weight joins the summed score; its agreement with the task's gold judge, where the task has one, is logged as judge/agreement_with_gold (docs/judges.md)")
-    teacher: str | None = Field(None, description="distillation: a stage of this run (its final checkpoint) or a model folder that generates the candidates instead of the current policy; it may differ in size and architecture, and brings its own tokenizer (prompts are encoded with it, candidates kept as text; docs/distillation.md). The stage's checkpoint stays the current policy (the student)")
+    teacher: str | None = Field(None, description="distillation: a stage of this run (its final checkpoint), a named checkpoint (smollm2-135m-instruct) or a model folder that generates the candidates instead of the current policy; it may differ in size and architecture, and brings its own tokenizer (prompts are encoded with it, candidates kept as text; docs/distillation.md). The stage's checkpoint stays the current policy (the student)")
 
     @model_validator(mode="after")
     def _scored(self) -> RejectionSamplingStage:

@@ -59,7 +59,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from posttrain.data import Problem, prompt_messages, read_jsonl
-from posttrain.models import load_tokenizer
+from posttrain.models import NAMED_CHECKPOINTS, checkpoint_folder, load_tokenizer
 from posttrain.runtime.checkpoint import final_checkpoint
 from posttrain.runtime.checkpoint import save_checkpoint
 from posttrain.runtime.config import Recipe, RejectionSamplingStage
@@ -119,6 +119,8 @@ def check_teachers(recipe: Recipe) -> None:
     for i, s in enumerate(recipe.stages):
         if not isinstance(s, RejectionSamplingStage) or s.teacher is None:
             continue
+        if s.teacher in NAMED_CHECKPOINTS:  # a built-in checkpoint (smollm2-135m-instruct): resolved when the stage runs
+            continue
         if s.teacher in folders:
             j = folders.index(s.teacher)
             if j >= i:
@@ -127,8 +129,8 @@ def check_teachers(recipe: Recipe) -> None:
             continue
         folder = Path(s.teacher)
         if not (folder / "config.json").is_file():
-            raise ValueError(f"stages[{i}].teacher: {s.teacher!r} is neither a stage of this run (stages: {folders}) "
-                             f"nor a model folder with a config.json")
+            raise ValueError(f"stages[{i}].teacher: {s.teacher!r} is neither a stage of this run (stages: {folders}), "
+                             f"a named checkpoint ({', '.join(NAMED_CHECKPOINTS)}) nor a model folder with a config.json")
         if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             raise ValueError(f"stages[{i}].teacher: {s.teacher!r} holds a model but no tokenizer (tokenizer.json); "
                              f"the teacher generates with its own tokenizer")
@@ -137,7 +139,7 @@ def check_teachers(recipe: Recipe) -> None:
 def resolve_teacher(ctx: RunContext, name: str, stage: str) -> Path:
     """The teacher `name`: a finished stage of this run (its final/), or a model folder."""
     in_run = final_checkpoint(ctx.stage_dir(name))
-    path = in_run or Path(name)
+    path = in_run or checkpoint_folder(name)  # a named built-in checkpoint, or a folder
     if not (path / "config.json").is_file():
         raise ValueError(f"{stage}: teacher {name!r} is neither a finished stage of this run "
                          f"({ctx.stage_dir(name)}/final) nor a model folder with a config.json")
