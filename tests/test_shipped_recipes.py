@@ -207,10 +207,10 @@ def test_r1_distill_teacher_student_and_rl_arm(tmp_path, monkeypatch):
 
 # The published recipes' SmolLM2 variants, shrunk: the real checkpoint (offline, the `smollm2` fixture), the
 # recipe's data files cut to 8 rows (in the working directory, where the run's relative paths resolve),
-# each collect step scored by length (SmolLM2 answers most sums right, so the exact answer alone
-# would leave two samples with no pair between them).
+# each collect step scored by length over 8 samples at T = 1 (SmolLM2 answers most sums right and alike, so the exact
+# answer alone, or 2 samples, would leave a prompt's samples with no pair between them).
 def smollm2_collect(at: str) -> list[str]:
-    return [f"{at}.min_reward=-1", f"{at}.pair_margin=0", f"{at}.samples=2", f"{at}.max_new_tokens=8",
+    return [f"{at}.min_reward=-1", f"{at}.pair_margin=0", f"{at}.samples=8", f"{at}.temperature=1.0", f"{at}.max_new_tokens=16",
             f"{at}.rewards=[{{name: length, params: {{max_len: 64, count: chars}}}}]"]
 
 
