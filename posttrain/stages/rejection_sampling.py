@@ -266,8 +266,9 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
               if cfg.reward_model is not None else None)
     uses_rm = scorer is not None or any(r.name == "reward_model" for r in cfg.rewards)
     if uses_rm and teacher is not None and tok.get_vocab() != ctx.tokenizer.get_vocab():
+        rm = cfg.reward_model or next(r.stage for r in cfg.rewards if r.name == "reward_model")
         raise ValueError(f"{stage}: teacher {cfg.teacher!r} has another tokenizer than the run's, and reward_model "
-                         f"{cfg.reward_model!r} scores the run's token ids; use verifiers (`rewards`) alone with this teacher")
+                         f"{rm!r} scores the run's token ids; use verifiers (`rewards`) alone with this teacher")
     out_path = output_path(cfg, ctx.run_dir)
     pairs_out = pairs_path(cfg, ctx.run_dir) if cfg.pairs else None
     n_steps = -(-len(problems) // cfg.batch_prompts)
