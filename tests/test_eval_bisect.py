@@ -113,3 +113,51 @@ def test_cli_bisect_bad_folder(tmp_path: Path, make, needle: str) -> None:
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())
     assert text.startswith("error:") and needle in text, text
+
+
+# ---- the marks the pipeline writes into evals.jsonl (posttrain/pipeline/evals.py) -------------------
+def _append_stagewise(path: Path, rows: list[dict]) -> None:
+    """Append ROWS to evals.jsonl one checkpoint at a time, as the pipeline does (stages in order)."""
+    from posttrain.pipeline.evals import append_evals, record_from_json
+
+    for stage in dict.fromkeys(r["stage"] for r in rows):
+        append_evals(path, [record_from_json(r) for r in rows if r["stage"] == stage])
+
+
+def test_evals_jsonl_carries_the_bisect_marks(tmp_path: Path) -> None:
+    path = tmp_path / "evals.jsonl"
+    _append_stagewise(path, ROWS)
+    written = [json.loads(x) for x in path.read_text().splitlines()]
+    marks = {(r["eval"], r["stage"]): (r.get("vs"), r.get("moved")) for r in written}
+    # the same verdicts as the bisect table above: A up at sft, down at grpo; B flat ("none"); C unknown;
+    # D compared base → grpo (no sft row), down; every first row of a kind unmarked
+    assert marks == {("a", "base"): (None, None), ("a", "sft"): ("base", "up"), ("a", "grpo"): ("sft", "down"),
+                     ("b", "base"): (None, None), ("b", "sft"): ("base", "none"),
+                     ("c", "base"): (None, None), ("c", "sft"): ("base", "unknown"),
+                     ("d", "base"): (None, None), ("d", "grpo"): ("base", "down")}
+    a_sft = next(r for r in written if (r["eval"], r["stage"]) == ("a", "sft"))
+    # d = 0.70 − 0.50 = 0.20; threshold = 2 · sqrt(0.05² + 0.05²) = 0.141421
+    assert a_sft["delta"] == pytest.approx(0.20) and a_sft["threshold"] == pytest.approx(0.141421, abs=1e-6)
+    c_sft = next(r for r in written if (r["eval"], r["stage"]) == ("c", "sft"))
+    assert c_sft["threshold"] is None and c_sft["delta"] == pytest.approx(-0.80)  # no stderr: shown, not judged
+    # one rule: every mark is the verdict report.eval_bisect gives the same move
+    tracks = {t.row[0]: t for t in bisect_run(load_run(path.parent))}
+    for r in written:
+        if "moved" in r:
+            m = next(m for m in tracks[r["eval"]].moves if m.after == r["stage"])
+            assert r["moved"] == {"flat": "none"}.get(m.verdict, m.verdict) and r["vs"] == m.before
+
+
+def test_a_re_evaluated_checkpoint_is_not_a_move_and_old_rows_still_read(tmp_path: Path) -> None:
+    from posttrain.pipeline.evals import append_evals, record_from_json
+    from posttrain.pipeline.run import read_evals
+
+    path = tmp_path / "evals.jsonl"
+    old = [_row("base", "a", None, 0.5, 0.05), _row("sft", "a", None, 0.9, 0.03)]  # written before the marks existed
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    # sft evaluated again (a resumed run): compared with base (0.9 − 0.5 = 0.4 > 2·0.0583 → up), not with itself
+    again = append_evals(path, [record_from_json(_row("sft", "a", None, 0.9, 0.03))])
+    assert (again[0]["vs"], again[0]["moved"]) == ("base", "up")
+    records = read_evals(path)  # old unmarked rows and new marked ones alike
+    assert [(r.stage, r.value) for r in records] == [("base", 0.5), ("sft", 0.9), ("sft", 0.9)]
+    assert not hasattr(records[-1], "moved")

@@ -17,7 +17,8 @@ from posttrain.runtime.config import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
-# The smollm2 recipe needs the real checkpoint: tests/test_tasks_pipeline.py runs it (shrunk and as shipped).
+# The smollm2 recipe needs the real checkpoint: tests/test_tasks_pipeline.py runs it (shrunk and as shipped);
+# the *-smollm2 variants of the published recipes run shrunk below (test_smollm2_variant_runs_end_to_end).
 SHIPPED = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem != "smollm2-own-data")
 
 # A field present in a stage is shrunk to this; everything else stays as the recipe wrote it.
@@ -80,6 +81,9 @@ def check(run_dir: Path, stages: list[str]) -> None:
         assert (run_dir / "checkpoints" / stage / "final" / "manifest.json").is_file(), stage
     evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
     assert set(stages) <= {e["stage"] for e in evals}  # the recipe's evals ran after every stage
+    # every checkpoint after the first evaluated carries its bisect marks against the one before it
+    first = evals[0]["stage"]
+    assert all(e["moved"] in ("up", "down", "none", "unknown") and e["vs"] for e in evals if e["stage"] != first)
     doctor = json.loads((run_dir / "doctor.json").read_text())
     assert "findings" in doctor
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -88,7 +92,8 @@ def check(run_dir: Path, stages: list[str]) -> None:
 
 
 def test_every_shipped_recipe_validates_and_names_its_command():
-    assert set(SHIPPED) >= {"quickstart", "instructgpt", "r1", "r1-zero", "rlvr-arithmetic", "llama3", "tools-arithmetic"}
+    assert set(SHIPPED) >= {"quickstart", "instructgpt", "r1", "r1-zero", "rlvr-arithmetic", "llama3", "tools-arithmetic",
+                            "tulu3", "qwen2.5"}
     for name in SHIPPED + ["smollm2-own-data"]:
         path = RECIPES / f"{name}.yaml"
         load_recipe(path)
@@ -146,8 +151,16 @@ LLAMA3_SHRUNK = [f"{LLAMA3_COLLECT}.min_reward=-1", f"{LLAMA3_COLLECT}.pair_marg
                  f"{LLAMA3_COLLECT}.rewards=[{{name: length, params: {{max_len: 128, count: chars}}}}]"]
 
 
+# tulu3's and qwen2.5's on-policy collect steps, shrunk, the same way: scored by length so pairs exist.
+def collect_shrunk(at: str) -> list[str]:
+    return [f"{at}.min_reward=-1", f"{at}.pair_margin=0", f"{at}.samples=8", f"{at}.max_new_tokens=32",
+            f"{at}.rewards=[{{name: length, params: {{max_len: 128, count: chars}}}}]"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, stages, extra", [
+    ("tulu3", ["pretrain", "sft", "prefs", "dpo", "rlvr"], collect_shrunk("stages.2")),
+    ("qwen2.5", ["pretrain", "sft", "offline_prefs", "offline_dpo", "reward_model", "online_rl"], collect_shrunk("stages.2")),
     ("r1-zero", ["pretrain", "grpo"], []),
     ("instructgpt", ["pretrain", "sft", "reward_model", "ppo"], []),
     ("r1", ["pretrain", "sft", "grpo", "rejection_sampling", "sft_rs", "grpo2"], []),
@@ -158,6 +171,10 @@ def test_shipped_recipe_runs_end_to_end(name, stages, extra, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     run_dir = run_shrunk(name, tmp_path, extra)
     check(run_dir, stages)
+    if name == "qwen2.5":  # the online RL stage summed the reward model with the rule rewards
+        rl = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"online_rl"' in x]
+        scored = [m for m in rl if "reward/total" in m]
+        assert scored and all({"reward/reward_model", "reward/math", "reward/format"} <= set(m) for m in scored)
     if name == "llama3":  # each round's data under runs/llama3/rounds/<k>/, its eval rows carry the round
         assert all((run_dir / "rounds" / str(k) / f).is_file() for k in (1, 2, 3) for f in ("sft.jsonl", "pairs.jsonl"))
         evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
@@ -186,3 +203,34 @@ def test_r1_distill_teacher_student_and_rl_arm(tmp_path, monkeypatch):
     evals = {r: [json.loads(x) for x in (d / "evals.jsonl").read_text().splitlines()] for r, d in (("s", student), ("r", rl))}
     strip = lambda rows, st: [(e["level"], e["metric"], e["value"]) for e in rows if e["stage"] == st]  # noqa: E731
     assert strip(evals["r"], "base") == strip(evals["s"], "pretrain") != []
+
+
+# The published recipes' SmolLM2 variants, shrunk: the real checkpoint (offline, the `smollm2` fixture), the
+# recipe's data files cut to 8 rows (in the working directory, where the run's relative paths resolve),
+# each collect step scored by length over 8 samples at T = 1 (SmolLM2 answers most sums right and alike, so the exact
+# answer alone, or 2 samples, would leave a prompt's samples with no pair between them).
+def smollm2_collect(at: str) -> list[str]:
+    return [f"{at}.min_reward=-1", f"{at}.pair_margin=0", f"{at}.samples=8", f"{at}.temperature=1.0", f"{at}.max_new_tokens=16",
+            f"{at}.rewards=[{{name: length, params: {{max_len: 64, count: chars}}}}]"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, stages, extra", [
+    ("qwen2.5-smollm2", ["sft", "offline_prefs", "offline_dpo", "reward_model", "online_rl"], smollm2_collect("stages.1")),
+    ("tulu3-smollm2", ["sft", "prefs", "dpo", "rlvr"], smollm2_collect("stages.1")),
+    ("llama3-smollm2", ["sft"] + [f"r{k}.{s}" for k in (1, 2) for s in ("rejection_sampling", "sft", "dpo")],
+     smollm2_collect("stages.1.rounds.stages.0")),
+    ("r1-distill-smollm2", ["pretrain", "distill_collect", "distill_sft"],
+     [x for x in smollm2_collect("stages.1") if "pair_margin" not in x]),
+])
+def test_smollm2_variant_runs_end_to_end(name, stages, extra, smollm2, tmp_path, monkeypatch):
+    assert smollm2.is_dir()  # the cached folder `smollm2-135m-instruct` resolves to
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "recipes" / "data" / "smollm2"  # the recipe's files, cut to their first 8 rows each
+    data.mkdir(parents=True)
+    for f in (RECIPES / "data" / "smollm2").glob("*.jsonl"):
+        (data / f.name).write_text("".join(f.read_text().splitlines(keepends=True)[:8]))
+    run_dir = run_shrunk(name, tmp_path, extra)
+    check(run_dir, stages)
+    evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert {e["eval"] for e in evals} == {"add2"}

@@ -35,7 +35,7 @@ from posttrain.runtime.allocator import set_mmap_threshold
 from posttrain.runtime.checkpoint import FINAL, final_checkpoint, publish
 from posttrain.runtime.config import Recipe, task_names
 from posttrain.runtime.context import RunContext, StageResult, eval_plan, make_tasks
-from posttrain.pipeline.evals import as_json, run_evals
+from posttrain.pipeline.evals import append_evals, record_from_json, run_evals
 from posttrain.pipeline.resume import BASE, RunError, inspect_run_dir, prepare_run_dir
 from posttrain.tasks import Capability, TaskSet
 from posttrain.tasks.base import RECORD_KINDS
@@ -312,9 +312,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
         where = str(checkpoint.relative_to(run_dir))
         stage_records = run_evals(evals_plan, model, tokenizer, stage=stage, checkpoint=where,
                                   phase=lambda: telemetry.phase("eval", stage=stage, step=steps), round_k=round_k)
-        with evals_path.open("a") as f:
-            for r in as_json(stage_records):
-                f.write(json.dumps(r) + "\n")
+        append_evals(evals_path, stage_records)  # each row with its bisect mark against the previous checkpoint
 
     try:
         # A loaded model is evaluated before the first stage: the "before" of every gain the run reports
@@ -369,7 +367,7 @@ def read_evals(path: Path) -> list[EvalRecord]:
     out = []
     for line in path.read_text().splitlines():
         try:
-            out.append(EvalRecord(**json.loads(line)))
+            out.append(record_from_json(json.loads(line)))  # the bisect marks are not EvalRecord fields
         except (json.JSONDecodeError, TypeError):
             continue
     return out

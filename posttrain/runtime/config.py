@@ -150,9 +150,21 @@ class SFTStage(TrainStage):
 class RewardSpec(Strict):
     """One verifier of an RLVR stage and its weight in the summed reward (docs/rewards.md, docs/rlvr.md)."""
 
-    name: Literal["math", "format", "overlong", "length", "code", "gold"] = Field(description="a posttrain.rewards verifier, or `gold`: the arithmetic world's gold judge")
+    name: Literal["math", "format", "overlong", "length", "code", "gold", "reward_model"] = Field(description="a posttrain.rewards verifier, `gold`: the arithmetic world's gold judge, or `reward_model`: a trained reward model's normalized score (needs `stage`)")
     weight: float = Field(1.0, description="weight in the summed reward (0 = computed and logged only)")
     params: dict[str, Any] = Field(default_factory=dict, description="the verifier's parameters, e.g. {think: optional}")
+    stage: str | None = Field(None, description="reward_model only: a reward_model stage of this run (its final checkpoint) or a reward-model folder (with reward_norm.json)")
+
+    @model_validator(mode="after")
+    def _reward_model_named(self) -> RewardSpec:
+        if self.name == "reward_model":
+            if not (self.stage or "").strip():
+                raise ValueError("reward `reward_model` needs `stage`: a reward_model stage of this run or a reward-model folder")
+            if self.params:
+                raise ValueError(f"reward `reward_model` takes no params, got {sorted(self.params)}")
+        elif self.stage is not None:
+            raise ValueError(f"reward {self.name!r}: `stage` is for `reward_model` only")
+        return self
 
 
 class EnvSpec(Strict):
@@ -221,6 +233,30 @@ class GRPOStage(TrainStage):
         return self
 
 
+class CollectJudge(Strict):
+    """An AI judge scoring the collect step's candidates (docs/judges.md, "In the collect step")."""
+
+    backend: Literal["local", "endpoint"] = Field(description="local: an HF chat model through our rollout engine; endpoint: an OpenAI-compatible chat-completions server")
+    mode: Literal["rubric", "pairwise"] = Field("rubric", description="rubric: each candidate rated 1–10 alone (one request each); pairwise: every pair of a prompt's finished candidates judged in both orders, a candidate's score its share of wins (ties ½) — K(K−1) requests per prompt")
+    weight: float = Field(1.0, description="weight of the judge's score (in [0, 1]) in the summed score; 0: computed and logged only")
+    checkpoint: str = Field("policy", description="local only: `policy` (the model generating the candidates judges them), a named checkpoint (smollm2-135m-instruct) or a model folder")
+    base_url: str | None = Field(None, description="endpoint only: e.g. https://api.example.com/v1")
+    model: str | None = Field(None, description="endpoint only: the served model's name")
+    api_key_env: str | None = Field("OPENAI_API_KEY", description="endpoint only: the environment variable holding the key (null: none); never written anywhere")
+    budget: int | None = Field(None, gt=0, description="endpoint only: most HTTP attempts (replies are cached under <run dir>/judge_cache)")
+    timeout_s: float = Field(60.0, gt=0, description="endpoint only: seconds per socket operation before an attempt fails (and is retried)")
+    max_tokens: int = Field(32, gt=0, description="reply budget of one judgement (pairwise asks for a letter: 16 is plenty)")
+    batch_size: int = Field(8, gt=0, description="local only: requests per generation call")
+    rubric: str | None = Field(None, description="rubric mode: what the judge rates (None: judges.rubric.DEFAULT_RUBRIC — correct, then concise)")
+    criteria: str | None = Field(None, description="pairwise mode: what makes a reply better (None: judges.pairwise.DEFAULT_CRITERIA)")
+
+    @model_validator(mode="after")
+    def _endpoint_named(self) -> CollectJudge:
+        if self.backend == "endpoint" and (self.base_url is None or self.model is None):
+            raise ValueError("judge: backend endpoint needs `base_url` and `model`")
+        return self
+
+
 class RejectionSamplingStage(StageBase):
     stage: Literal["rejection_sampling"] = "rejection_sampling"
     data: list[DataSource] = Field(min_length=1, description="problems (a task, or JSONL in the `problem` schema)")
@@ -242,12 +278,13 @@ class RejectionSamplingStage(StageBase):
     pairs_output: Path | None = Field(None, description="where to write the pairs, `preference` schema (default <run dir>/data/<name>.pairs.jsonl)")
     draw: int = Field(0, ge=0, description="which draw of a task's problems and of the sampling seeds: another draw, other prompts and samples (in a rounds block `draw: \"{round}\"` gives each round fresh prompts)")
     gates: list[Literal["exact_dedup", "near_dedup", "decontaminate"]] = Field(default_factory=list, description="quality gates on the rows before they are written, in order (docs/gates.md); decontaminate: against the recipe's evals; each gate's counts join the stage's summary metrics")
-    teacher: str | None = Field(None, description="distillation: a stage of this run (its final checkpoint) or a model folder that generates the candidates instead of the current policy; it may differ in size and architecture, and brings its own tokenizer (prompts are encoded with it, candidates kept as text; docs/distillation.md). The stage's checkpoint stays the current policy (the student)")
+    judge: CollectJudge | None = Field(None, description="an AI judge (a local chat model or an endpoint, rubric or pairwise) whose score × judge.weight joins the summed score; its agreement with the task's gold judge, where the task has one, is logged as judge/agreement_with_gold (docs/judges.md)")
+    teacher: str | None = Field(None, description="distillation: a stage of this run (its final checkpoint), a named checkpoint (smollm2-135m-instruct) or a model folder that generates the candidates instead of the current policy; it may differ in size and architecture, and brings its own tokenizer (prompts are encoded with it, candidates kept as text; docs/distillation.md). The stage's checkpoint stays the current policy (the student)")
 
     @model_validator(mode="after")
     def _scored(self) -> RejectionSamplingStage:
-        if not self.rewards and self.reward_model is None:
-            raise ValueError("rewards is empty and no reward_model is set: nothing would score the samples")
+        if not self.rewards and self.reward_model is None and self.judge is None:
+            raise ValueError("rewards is empty and no reward_model or judge is set: nothing would score the samples")
         if self.teacher is not None and not self.teacher.strip():
             raise ValueError("teacher: empty; name a stage of this run or a model folder (or leave it out)")
         return self

@@ -1,5 +1,6 @@
 """A trained reward model used by a later stage: where it is, which policy it was built for, and its
-normalized score of each sampled reply (PPO's reward; rejection sampling's ranking).
+normalized score of each sampled reply (PPO's reward; rejection sampling's ranking; one of GRPO's
+rewards, `RewardModelVerifier`).
 
 The reward-model stage writes a sequence-classification checkpoint plus `reward_norm.json` (mean and
 std of its scores on the start policy's samples, and that policy's path; `models.heads`). A stage that
@@ -8,7 +9,10 @@ follows it in a recipe starts from that folder, so it asks `resolve_policy` for 
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,6 +23,8 @@ from posttrain.models.heads import (
     last_token_scores,
     load_scalar_model,
 )
+from posttrain.models import load_tokenizer
+from posttrain.rewards import Scores, VerifierInputError
 from posttrain.runtime.checkpoint import final_checkpoint
 from posttrain.runtime.context import RunContext
 from posttrain.rollout import Rollout
@@ -61,3 +67,57 @@ class RewardModelScorer:
         return torch.cat([self.norm.apply(last_token_scores(self.model, r.sequence_ids[i : i + b],
                                                              r.sequence_mask[i : i + b], r.position_ids[i : i + b]))
                           for i in range(0, len(r), b)])
+
+
+# The column `score_rollout` fills with the reward model's scores, which `RewardModelVerifier` reads.
+RM_COLUMN = "reward_model_scores"
+
+
+def check_vocabulary(path: Path, tokenizer: Any, stage: str, name: str) -> None:
+    """The reward model at `path` reads the run's token ids: the same vocabulary as `tokenizer` (its own
+    tokenizer, when the folder has one; else an embedding table that holds every id), or an error naming
+    the stage and the reward model (scoring another vocabulary's ids is silent garbage)."""
+    ours = tokenizer.get_vocab()
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        theirs = load_tokenizer(path).get_vocab()
+        if theirs == ours:
+            return
+        what = f"another vocabulary ({len(theirs):,} tokens)"
+    else:
+        size = int(json.loads((path / "config.json").read_text()).get("vocab_size", 0))
+        if size >= len(ours):
+            return
+        what = f"an embedding table of {size:,} ids (no tokenizer saved beside it)"
+    raise ValueError(f"{stage}: reward_model {name!r} ({path}) was trained with {what}, not the run's tokenizer "
+                     f"({len(ours):,} tokens); it cannot score this policy's token ids — train the reward model "
+                     "in this run, on this tokenizer")
+
+
+class RewardModelVerifier:
+    """A reward model behind the verifier contract (posttrain.rewards.base), so `rewards.combine` sums it
+    with the rule rewards and logs it as `reward/<name>`: each row's normalized score at its last token.
+
+    Built from the recipe by name (`source`: a reward_model stage or a folder) and loaded into the run by
+    `_rlvr.load_reward_models` (`self.scorer`). The scores need token ids, which a verifier never sees:
+    `_rlvr.score_rollout` runs the scorer on the rollout (its forward is the `score` phase's cost) and
+    passes the result as the `RM_COLUMN` column, which this reads back. Texts alone (a multi-turn
+    episode, `score_texts`) are an error."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.scorer: RewardModelScorer | None = None
+
+    def load(self, ctx: RunContext, stage: str) -> None:
+        """Resolve `source` in the run, check it reads the run's vocabulary, load it on `ctx.device`."""
+        path = resolve_reward_model(ctx, self.source, stage)
+        check_vocabulary(path, ctx.tokenizer, stage, self.source)
+        self.scorer = RewardModelScorer(path, ctx.device)
+
+    def __call__(self, completions: list[str], /, **columns: Any) -> Scores:
+        scores: Sequence[float] | None = columns.get(RM_COLUMN)
+        if scores is None:
+            raise VerifierInputError(f"reward_model {self.source!r}: scores token ids, and this batch came as text "
+                                     "only (episodes in an `env`); use rule verifiers there")
+        if len(scores) != len(completions):
+            raise VerifierInputError(f"reward_model: {len(scores)} scores for {len(completions)} completions")
+        return Scores([float(s) for s in scores])

@@ -1,5 +1,6 @@
-"""What the RLVR stages (`grpo`, `rejection_sampling`) share: problems, verifiers built from the recipe,
-scoring a rollout, and the group bookkeeping of group-relative methods.
+"""What the RLVR stages (`grpo`, `rejection_sampling`) share: problems, verifiers built from the recipe
+(rule verifiers, the world's gold judge, a trained reward model), scoring a rollout, and the group
+bookkeeping of group-relative methods.
 
 Rows of a rollout are prompt-major (`Rollout.prompt_index`): the G samples of prompt i are rows
 i·G … i·G + G − 1, which is the layout `posttrain.losses.grpo_advantages` expects.
@@ -27,6 +28,8 @@ from posttrain.rewards import (
     combine,
 )
 from posttrain.rollout import Rollout
+from posttrain.stages._learned_reward import RM_COLUMN, RewardModelVerifier
+from posttrain.telemetry import costs
 from posttrain.worlds.arithmetic import gold_reward
 
 _INTEGER = re.compile(r"-?\d+")
@@ -76,14 +79,33 @@ def world_gold(completions: list[str], *, answer: Sequence[str | None], **_: Any
 
 
 def build_rewards(specs: Sequence[RewardSpec]) -> list[WeightedVerifier]:
-    """The recipe's verifiers, built once per stage (close them with `close_rewards`)."""
+    """The recipe's verifiers, built once per stage (close them with `close_rewards`). A `reward_model`
+    reward is named here and loaded by `load_reward_models`, which needs the run."""
     out = []
     for spec in specs:
-        fn = world_gold if spec.name == "gold" else build_verifier(spec.name, **spec.params)
         if spec.name == "gold" and spec.params:
             raise ValueError(f"rewards: verifier 'gold' takes no params, got {sorted(spec.params)}")
+        if spec.name == "reward_model":
+            fn = RewardModelVerifier(spec.stage or "")
+        else:
+            fn = world_gold if spec.name == "gold" else build_verifier(spec.name, **spec.params)
         out.append(WeightedVerifier(spec.name, fn, spec.weight))
     return out
+
+
+def load_reward_models(verifiers: Sequence[WeightedVerifier], ctx: RunContext, stage: str) -> None:
+    """Load every `reward_model` reward among `verifiers` from the run (a finished reward_model stage or a
+    folder), checked to read the run's vocabulary; an error names `stage` and the reward model."""
+    for v in verifiers:
+        if isinstance(v.verifier, RewardModelVerifier) and v.verifier.scorer is None:
+            v.verifier.load(ctx, stage)
+
+
+def reward_model_cost(verifiers: Sequence[WeightedVerifier], rows: int, seq_len: int) -> costs.Cost | None:
+    """The score phase's FLOPs: the reward model's forward over `rows` sequences of `seq_len` tokens (None: none)."""
+    rms = [v.verifier.scorer.model.config for v in verifiers
+           if isinstance(v.verifier, RewardModelVerifier) and v.verifier.scorer is not None]
+    return costs.forward(rms[0], batch=rows, seq_len=seq_len, logits="scalar") if rms else None
 
 
 def close_rewards(verifiers: Sequence[WeightedVerifier]) -> None:
@@ -97,17 +119,24 @@ def score_rollout(verifiers: Sequence[WeightedVerifier], rollout: Rollout, probl
     """Score every row against its prompt's problem. Columns: `answer`, `tests`, `level`, `lengths`
     (completion tokens, EOS included)."""
     rows = rollout.prompt_index.tolist()
-    return score_texts(verifiers, rollout.texts, [problems[i] for i in rows], rollout.completion_lengths.tolist())
+    extra: dict[str, list[Any]] = {}
+    for v in verifiers:  # a reward model reads token ids: its forward runs here, its scores go in as a column
+        if isinstance(v.verifier, RewardModelVerifier):
+            if v.verifier.scorer is None:
+                raise ValueError(f"reward_model {v.verifier.source!r} is not loaded (load_reward_models)")
+            extra[RM_COLUMN] = v.verifier.scorer(rollout).tolist()
+    return score_texts(verifiers, rollout.texts, [problems[i] for i in rows], rollout.completion_lengths.tolist(), **extra)
 
 
 def score_texts(verifiers: Sequence[WeightedVerifier], texts: Sequence[str], problems: Sequence[Problem],
-                lengths: Sequence[int]) -> CombinedRewards:
+                lengths: Sequence[int], **extra: list[Any]) -> CombinedRewards:
     """Score texts[i] against problems[i] (one problem per text). Columns: `answer`, `tests`, `level`,
-    `lengths` (the tokens the model wrote)."""
+    `lengths` (the tokens the model wrote), and any `extra` (a reward model's scores, `score_rollout`)."""
     cols: dict[str, list[Any]] = {
         "answer": [p.answer for p in problems],
         "level": [p.level for p in problems],
         "lengths": list(lengths),
+        **extra,
     }
     if any(p.tests is not None for p in problems):
         cols["tests"] = [p.tests for p in problems]

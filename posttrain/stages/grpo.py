@@ -92,9 +92,12 @@ from posttrain.stages._rlvr import (
     encode_problems,
     group_keep,
     load_problems,
+    load_reward_models,
     passed,
+    reward_model_cost,
     score_rollout,
 )
+from posttrain.stages._learned_reward import resolve_policy
 from posttrain.models.prefix_attention import shared_prefix
 from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
 from posttrain.stages._training import (
@@ -272,7 +275,8 @@ def collect_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verif
             ro = engine.generate([prompts[i] for i in idx], params)
             p.cost = engine.decode_cost(batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
                                         new_tokens=max(1, ro.completion_ids.shape[1]))
-        with ctx.phase("score", stage=cfg.folder, step=step, worker=worker):
+        with ctx.phase("score", stage=cfg.folder, step=step, worker=worker,
+                       cost=reward_model_cost(verifiers, len(ro), ro.sequence_ids.shape[1])):
             batch_problems = [problems[i] for i in idx]
             rewards = score_rollout(verifiers, ro, batch_problems)
             judged, varied, missing = group_keep(rewards.total, g)
@@ -495,6 +499,8 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
             raise
     prompts = encode_problems(problems, tok, cfg.max_prompt_len) if env is None else []
     verifiers = build_rewards(cfg.rewards)
+    load_reward_models(verifiers, ctx, stage)  # a `reward_model` reward: its model, from this run (docs/rlvr.md)
+    ctx = dataclasses.replace(ctx, start=resolve_policy(ctx))  # after a reward_model stage: the policy it was built for
     t = start_or_resume(ctx, cfg, data_parallel=True, shardable=True)
     sampler = EpochSampler(len(problems), 1, seed=ctx.recipe.seed)
     pending = resumed_rollouts(cfg, t.data_state, sampler)

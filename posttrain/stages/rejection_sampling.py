@@ -45,6 +45,9 @@ Departures (numbered):
 8. With `gates`, the rows to be written pass through the quality gates (exact / near dedup,
    decontamination against the recipe's evals; `_collect_gates.py`), their counts logged as
    `gate/…` metrics with the stage's summary row — per round inside a rounds block.
+9. With `judge`, an AI judge (a local chat model or an OpenAI-compatible endpoint; rubric or pairwise)
+   scores the finished candidates in the `score` phase, its score × `judge.weight` added to the sum,
+   and its agreement with the task's gold judge logged (`_collect_judge.py`, docs/judges.md).
 """
 
 from __future__ import annotations
@@ -56,13 +59,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from posttrain.data import Problem, prompt_messages, read_jsonl
-from posttrain.models import load_tokenizer
+from posttrain.models import NAMED_CHECKPOINTS, checkpoint_folder, load_tokenizer
 from posttrain.runtime.checkpoint import final_checkpoint
 from posttrain.runtime.checkpoint import save_checkpoint
 from posttrain.runtime.config import Recipe, RejectionSamplingStage
 from posttrain.runtime.context import RunContext, StageResult
 from posttrain.rewards import WeightedVerifier
 from posttrain.rollout import Rollout, SamplingParams
+from posttrain.stages._collect_judge import gold_task, judge_backend, judge_batch, pooled, with_judge
 from posttrain.stages._collect_gates import gate_metrics, gate_rows, recipe_eval_index
 from posttrain.stages._collect_journal import Journal, JudgedBatch, fingerprint, journal_path, read_journal
 from posttrain.stages._learned_reward import (
@@ -75,6 +79,7 @@ from posttrain.stages._rlvr import (
     close_rewards,
     encode_problems,
     load_problems,
+    load_reward_models,
     score_rollout,
 )
 from posttrain.telemetry import costs
@@ -114,6 +119,8 @@ def check_teachers(recipe: Recipe) -> None:
     for i, s in enumerate(recipe.stages):
         if not isinstance(s, RejectionSamplingStage) or s.teacher is None:
             continue
+        if s.teacher in NAMED_CHECKPOINTS:  # a built-in checkpoint (smollm2-135m-instruct): resolved when the stage runs
+            continue
         if s.teacher in folders:
             j = folders.index(s.teacher)
             if j >= i:
@@ -122,8 +129,8 @@ def check_teachers(recipe: Recipe) -> None:
             continue
         folder = Path(s.teacher)
         if not (folder / "config.json").is_file():
-            raise ValueError(f"stages[{i}].teacher: {s.teacher!r} is neither a stage of this run (stages: {folders}) "
-                             f"nor a model folder with a config.json")
+            raise ValueError(f"stages[{i}].teacher: {s.teacher!r} is neither a stage of this run (stages: {folders}), "
+                             f"a named checkpoint ({', '.join(NAMED_CHECKPOINTS)}) nor a model folder with a config.json")
         if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             raise ValueError(f"stages[{i}].teacher: {s.teacher!r} holds a model but no tokenizer (tokenizer.json); "
                              f"the teacher generates with its own tokenizer")
@@ -132,7 +139,7 @@ def check_teachers(recipe: Recipe) -> None:
 def resolve_teacher(ctx: RunContext, name: str, stage: str) -> Path:
     """The teacher `name`: a finished stage of this run (its final/), or a model folder."""
     in_run = final_checkpoint(ctx.stage_dir(name))
-    path = in_run or Path(name)
+    path = in_run or checkpoint_folder(name)  # a named built-in checkpoint, or a folder
     if not (path / "config.json").is_file():
         raise ValueError(f"{stage}: teacher {name!r} is neither a finished stage of this run "
                          f"({ctx.stage_dir(name)}/final) nor a model folder with a config.json")
@@ -257,9 +264,11 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     prompts = encode_problems(problems, tok, cfg.max_prompt_len)
     scorer = (RewardModelScorer(resolve_reward_model(ctx, cfg.reward_model, stage), ctx.device)
               if cfg.reward_model is not None else None)
-    if scorer is not None and teacher is not None and tok.get_vocab() != ctx.tokenizer.get_vocab():
+    uses_rm = scorer is not None or any(r.name == "reward_model" for r in cfg.rewards)
+    if uses_rm and teacher is not None and tok.get_vocab() != ctx.tokenizer.get_vocab():
+        rm = cfg.reward_model or next(r.stage for r in cfg.rewards if r.name == "reward_model")
         raise ValueError(f"{stage}: teacher {cfg.teacher!r} has another tokenizer than the run's, and reward_model "
-                         f"{cfg.reward_model!r} scores the run's token ids; use verifiers (`rewards`) alone with this teacher")
+                         f"{rm!r} scores the run's token ids; use verifiers (`rewards`) alone with this teacher")
     out_path = output_path(cfg, ctx.run_dir)
     pairs_out = pairs_path(cfg, ctx.run_dir) if cfg.pairs else None
     n_steps = -(-len(problems) // cfg.batch_prompts)
@@ -271,15 +280,25 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
     if note:
         ctx.console.print(f"[yellow]{stage}: {note}" + (f"; resuming after batch {len(journaled)} of {n_steps}" if journaled else ""))
     verifiers = build_rewards(cfg.rewards)
+    load_reward_models(verifiers, ctx, stage)
     model = engine = None
     if len(journaled) < n_steps:  # something left to generate
         model = ctx.load_model(gen_path)
         engine = ctx.rollout_engine(model, tokenizer=tok)
         with ctx.phase("sync", stage=stage, step=len(journaled) + 1) as ph:  # the sampler's weights into the engine, once
             ph.cost = costs.Cost(bytes=engine.sync_weights(model))
+    judge_chat = gold = None  # the AI judge's backend, built only when there is something to judge; the gold that measures it
+    if cfg.judge is not None:
+        gold = gold_task(ctx, cfg.data)
+        if model is not None:
+            judge_chat = judge_backend(cfg.judge, ctx, model, tok, engine)
     scored_by = [f"{r.name}×{r.weight:g}" for r in cfg.rewards]
     if scorer is not None:
         scored_by.append(f"reward model {scorer.path}×{cfg.reward_model_weight:g}")
+    if cfg.judge is not None:
+        scored_by.append(f"{cfg.judge.mode} judge ({cfg.judge.backend}"
+                         + (f" {cfg.judge.checkpoint}" if cfg.judge.backend == "local" else f" {cfg.judge.model}")
+                         + f")×{cfg.judge.weight:g}" + ("" if gold is None else f", measured against {gold.name}'s gold judge"))
     ctx.console.print(f"{stage}: {len(problems):,} prompts × N={cfg.samples} samples at T={cfg.temperature}"
                       + (f" from teacher {gen_path}" if teacher is not None else "") + f"; keep "
                       f"{cfg.keep} with summed reward ≥ {cfg.min_reward} ({', '.join(scored_by)}) → {out_path}"
@@ -296,8 +315,14 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                                   new_tokens=max(1, ro.completion_ids.shape[1]))
         rm_cost = None if scorer is None else costs.forward(
             scorer.model.config, batch=len(ro), seq_len=ro.sequence_ids.shape[1], logits="scalar")
-        with ctx.phase("score", stage=stage, step=step, cost=rm_cost):  # the reward model's forward, if any
+        with ctx.phase("score", stage=stage, step=step, cost=rm_cost):  # the reward model's forward, the judge's requests
             total, metrics = score(verifiers, scorer, cfg.reward_model_weight, ro, [problems[i] for i in idx])
+            if judge_chat is not None and cfg.judge is not None:
+                rows = [problems[idx[k]] for k in ro.prompt_index.tolist()]
+                g = gold.gold_rewards(rows, ro.texts, ro.finish_reason) if gold is not None else None
+                judged = judge_batch(judge_chat, cfg.judge, rows, ro.texts, ro.finish_reason, cfg.samples, g)
+                total, judge_m = with_judge(total, judged, cfg.judge.weight)
+                metrics.update({**judged.metrics, **judge_m})
         return JudgedBatch(step, list(ro.texts), list(ro.finish_reason), list(total), metrics)
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -309,6 +334,7 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
               **({"prompts_without_pair": 0} if cfg.pairs else {})}
     samples = passes = 0
     last: dict[str, float] = {}
+    batch_metrics: list[dict[str, float]] = []  # every batch's, replayed ones too: the judge's pooled counts
     journal = Journal(jpath, stage, fp, keep=len(journaled))
     try:
         with ctx.progress() as bar:
@@ -321,6 +347,7 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                     batch = judge(step, idx)
                     journal.append(batch)  # durable before the next batch starts
                 total, texts, finish = batch.total, batch.texts, batch.finish
+                batch_metrics.append(batch.metrics)
                 kept_before = len(rows)
                 for j, i in enumerate(idx):
                     sl = slice(j * cfg.samples, (j + 1) * cfg.samples)
@@ -374,7 +401,8 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                "rs/batches_replayed": float(len(journaled)), "rs/batches_judged": float(n_steps - len(journaled)),
                **({"rs/pairs": float(len(pair_rows))} if cfg.pairs else {}),
                **{f"rs/{k}": float(v) for k, v in totals.items()},
-               **gate_metrics(gated), **gate_metrics(pairs_gated, "pairs.")}
+               **gate_metrics(gated), **gate_metrics(pairs_gated, "pairs."),
+               **(pooled(batch_metrics) if cfg.judge is not None else {})}
     ctx.log(stage, n_steps, {**last, **summary})
     ctx.console.print(f"{stage}: wrote {len(rows):,} SFT rows to {out_path} (accept rate {passes / samples:.1%}; "
                       f"{totals['prompts_without_keep']} prompts without a kept sample, {totals['duplicates']} duplicates)")
@@ -383,6 +411,11 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
         ctx.console.print(f"{stage}: wrote {len(pair_rows):,} preference pairs to {pairs_out} "
                           f"({totals['prompts_without_pair']} prompts without a pair)")
         data.update(pairs_output=str(pairs_out), pairs=len(pair_rows))
+    if "judge/agreement_with_gold" in summary:
+        ctx.console.print(f"{stage}: judge vs the gold judge: agreement {summary['judge/agreement_with_gold']:.3f} ± "
+                          f"{summary['judge/agreement_se']:.3f} on {summary['judge/agreement_n']:.0f} pairs the gold separates "
+                          f"(ties {summary['judge/ties']:.0f}, unparseable {summary['judge/unparseable']:.0f}); "
+                          f"{summary['judge/requests']:.0f} judge requests")
     if journaled:
         ctx.console.print(f"{stage}: {len(journaled)} of {n_steps} batches replayed from {jpath} "
                           f"(not generated, not judged again); {n_steps - len(journaled)} judged now")
