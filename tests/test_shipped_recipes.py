@@ -215,6 +215,7 @@ def smollm2_collect(at: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # 2–9 minutes each on this CPU: `pytest -m heavy tests/test_shipped_recipes.py`
 @pytest.mark.parametrize("name, stages, extra", [
     ("qwen2.5-smollm2", ["sft", "offline_prefs", "offline_dpo", "reward_model", "online_rl"], smollm2_collect("stages.1")),
     ("tulu3-smollm2", ["sft", "prefs", "dpo", "rlvr"], smollm2_collect("stages.1")),
