@@ -29,6 +29,18 @@ Departures:
    the policy's under `loss/policy`, the critic's under `loss/value`, each with its own count — a
    skipped step leaves that model's weights and moments as they were, and `optim.max_nonfinite_skips`
    skips in a row of one model stop the stage naming the term, the iteration and the minibatch update.
+6. Asynchronous (`max_staleness` k ≥ 1, docs/async_rl.md, the PPO section): a rollout thread
+   (`_async_rollout.AsyncRollouts`, GRPO's) samples and scores iteration i's rollouts (reward model, gold
+   judge) with the policy after exactly max(0, i − k) iterations while the learner trains. The learner
+   computes what needs its current weights on the batch it takes: the reference log-probs, the critic's
+   values (so GAE and the value clip use today's critic) and π_prox, the policy's log-probs before this
+   iteration's update — one more no-grad forward (GRPO's π_prox is free, its first pass runs before any
+   optimizer step; PPO's first minibatch step moves the weights before the second minibatch's forward).
+   The update is decoupled PPO (`losses.decoupled_ppo_loss`: Hilton et al. 2022; AReaL, Fu et al. 2025,
+   eq. 5; the weight min(π_prox/π_behav, C) truncated as in Yao et al. 2025): the clip centred on π_prox,
+   each token's surrogate weighted. The KL-shaped reward uses π_prox (the policy being penalized), not
+   π_behav; the value loss is not weighted. `off_policy: decoupled` at k = 0 takes the same path (π_prox
+   = π_behav up to kernel round-off); `off_policy: none` at k ≥ 1 clips against π_behav, unweighted.
 
 Data-parallel (docs/distributed.md; replicate only): every rank draws the same prompts and generates
 its contiguous share of the rollouts (the native engine draws the whole batch's uniforms and keeps its
