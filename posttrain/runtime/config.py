@@ -178,7 +178,28 @@ class EnvSpec(Strict):
     keep_kv: bool = Field(True, description="keep each episode's KV cache across its turns where the rollout engine can (native): a turn prefills only its new tokens (docs/envs.md)")
 
 
-class GRPOStage(TrainStage):
+class AsyncRLFields(Strict):
+    """The asynchronous-RL fields GRPO and PPO share (docs/async_rl.md): the staleness bound and the
+    off-policy correction. A mixin of the stage classes, so both read the same definitions."""
+
+    max_staleness: int = Field(0, ge=0, description="asynchronous RL (docs/async_rl.md): rollout i is sampled by a rollout thread with the policy after max(0, i − k) rollout updates while the learner trains; 0 = the synchronous loop")
+    off_policy: Literal["none", "decoupled", "tis"] | None = Field(None, description="the off-policy correction (docs/async_rl.md): decoupled PPO (clip against the learner's proximal log-probs, tokens weighted by min(π_prox/π_behav, is_cap)); tis: the same formula, for the sampler/learner mismatch only (max_staleness 0); none: the clip against the behaviour log-probs. None: decoupled when max_staleness ≥ 1, else none")
+    is_cap: float = Field(2.0, gt=0, description="truncation C of the importance weight min(π_prox/π_behav, C) (Yao et al. 2025 use 2)")
+
+    @property
+    def correction(self) -> str:
+        """The off-policy correction in force: `off_policy`, or its default for `max_staleness`."""
+        return self.off_policy or ("decoupled" if self.max_staleness else "none")
+
+    @model_validator(mode="after")
+    def _tis_is_fresh_only(self) -> AsyncRLFields:
+        if self.off_policy == "tis" and self.max_staleness:
+            raise ValueError(f"off_policy: tis corrects the sampler/learner mismatch of fresh rollouts only; with "
+                             f"max_staleness {self.max_staleness} the rollouts are stale: use off_policy: decoupled")
+        return self
+
+
+class GRPOStage(TrainStage, AsyncRLFields):
     stage: Literal["grpo"] = "grpo"
     data: list[DataSource] = Field(min_length=1, description="problems (a task, or JSONL in the `problem` schema)")
     levels: list[str] | None = Field(None, description="levels of the data task to draw problems from (None: the task's level mix)")
@@ -204,20 +225,9 @@ class GRPOStage(TrainStage):
     share_prompt: bool = Field(True, description="update and reference forwards lay a group out as [prompt | c_1 | … | c_G], the prompt once (exact up to round-off; G·(P + N) → P + G·N tokens)")
     eval_problems: int = Field(100, gt=0, description="held-out problems per eval level for the in-stage greedy eval (eval_every)")
     env: EnvSpec | None = Field(None, description="multi-turn: each sample is an episode in this environment, max_new_tokens is per turn, the loss falls on the model's tokens only (docs/envs.md)")
-    max_staleness: int = Field(0, ge=0, description="asynchronous RL (docs/async_rl.md): rollout i is sampled by a rollout thread with the policy after max(0, i − k) rollout updates while the learner trains; 0 = the synchronous loop")
-    off_policy: Literal["none", "decoupled", "tis"] | None = Field(None, description="the off-policy correction (docs/async_rl.md): decoupled PPO (clip against the learner's proximal log-probs, tokens weighted by min(π_prox/π_behav, is_cap)); tis: the same formula, for the sampler/learner mismatch only (max_staleness 0); none: the clip against the behaviour log-probs. None: decoupled when max_staleness ≥ 1, else none")
-    is_cap: float = Field(2.0, gt=0, description="truncation C of the importance weight min(π_prox/π_behav, C) (Yao et al. 2025 use 2)")
-
-    @property
-    def correction(self) -> str:
-        """The off-policy correction in force: `off_policy`, or its default for `max_staleness`."""
-        return self.off_policy or ("decoupled" if self.max_staleness else "none")
 
     @model_validator(mode="after")
     def _grpo_shapes(self) -> GRPOStage:
-        if self.off_policy == "tis" and self.max_staleness:
-            raise ValueError(f"off_policy: tis corrects the sampler/learner mismatch of fresh rollouts only; with "
-                             f"max_staleness {self.max_staleness} the rollouts are stale: use off_policy: decoupled")
         if self.max_staleness and self.env is not None:
             raise ValueError("max_staleness is not supported with env yet (episodes run in the learner's loop); set it to 0")
         if not self.rewards and self.env is None:
@@ -410,7 +420,7 @@ class DPOStage(TrainStage):
     max_new_tokens: int = Field(48, gt=0, description="answer budget in the head-to-head")
 
 
-class PPOStage(TrainStage):
+class PPOStage(TrainStage, AsyncRLFields):
     """PPO-RLHF against a reward model under a KL penalty to the start policy (docs/preference.md)."""
 
     stage: Literal["ppo"] = "ppo"

@@ -199,3 +199,28 @@ class AsyncRollouts:
             self._stop = True
             self._cond.notify_all()
         self._thread.join()
+
+
+# ---- what a stage logs and saves of it (GRPO's and PPO's loops) ------------------------------------
+def staleness_metrics(index: int, item: RolloutItem, waited: float) -> dict[str, float]:
+    """Staleness of rollout `index`'s samples (all sampled by one version: mean = max) and who idled:
+    the learner `waited` s for it, the producer `item.wait_s` s for its version."""
+    stale = float(index - item.version)
+    return {"async/staleness_mean": stale, "async/staleness_max": stale, "async/version": float(item.version),
+            "async/wait_learner_s": waited, "async/wait_rollout_s": item.wait_s}
+
+
+def pending_state(max_staleness: int, pending: list[RolloutItem]) -> dict[str, Any]:
+    """What an asynchronous checkpoint saves beside the weights (under `async`): every rollout already made
+    and not yet trained on — their policy versions are gone once the learner moves on."""
+    return {"max_staleness": max_staleness, "pending": [p.to_state() for p in pending]}
+
+
+def restore_pending(folder: str, max_staleness: int, saved: dict[str, Any] | None, batch_type: type) -> list[RolloutItem]:
+    """The rollouts an asynchronous checkpoint saved (`saved`: its `async` entry, None for a synchronous
+    one). Another `max_staleness` than the checkpoint's cannot resume it exactly: an error naming both."""
+    was = 0 if saved is None else int(saved["max_staleness"])
+    if was != max_staleness:
+        raise ValueError(f"{folder}: the checkpoint was saved with max_staleness {was}, the recipe says "
+                         f"{max_staleness}; an exact resume needs the same (or start the stage afresh)")
+    return [] if saved is None else [RolloutItem.from_state(o, batch_type) for o in saved["pending"]]
