@@ -84,7 +84,14 @@ from posttrain.runtime.context import RunContext, StageResult, eval_plan
 from posttrain.rewards import CombinedRewards, WeightedVerifier
 from posttrain.rollout import Rollout, RolloutEngine, SamplingParams
 from posttrain.rollout.text import positions_from_mask
-from posttrain.stages._async_rollout import AsyncRollouts, RolloutItem, producer_worker
+from posttrain.stages._async_rollout import (
+    AsyncRollouts,
+    RolloutItem,
+    pending_state,
+    producer_worker,
+    restore_pending,
+    staleness_metrics,
+)
 from posttrain.stages._episodes import build_env, collect_episode_groups
 from posttrain.stages._rlvr import (
     build_rewards,
@@ -434,35 +441,21 @@ def greedy_eval(ctx: RunContext, model: torch.nn.Module, n: int) -> dict[str, fl
 
 
 # ---- asynchronous rollouts (docs/async_rl.md) ----------------------------------------------------
-def async_metrics(index: int, item: RolloutItem, waited: float) -> dict[str, float]:
-    """Staleness of rollout `index`'s samples (all sampled by one version: mean = max) and who idled."""
-    stale = float(index - item.version)
-    return {"async/staleness_mean": stale, "async/staleness_max": stale, "async/version": float(item.version),
-            "async/wait_learner_s": waited, "async/wait_rollout_s": item.wait_s}
-
-
 def async_data_state(cfg: GRPOStage, pending: list[RolloutItem], waited: float) -> dict[str, Any]:
     """What an async checkpoint saves beside the weights: every rollout already made and not yet trained on
     (their policy versions are gone once the learner moves on) and the sampler where the producer left it."""
     del waited  # the drain's wait: the learner idles once per checkpoint for the rollouts whose versions exist
-    return {"sampler": pending[-1].data_state, "async": {"max_staleness": cfg.max_staleness,
-                                                          "pending": [p.to_state() for p in pending]}}
+    return {"sampler": pending[-1].data_state, "async": pending_state(cfg.max_staleness, pending)}
 
 
 def resumed_rollouts(cfg: GRPOStage, data_state: dict[str, Any] | None, sampler: EpochSampler) -> list[RolloutItem]:
     """Restore the sampler from a checkpoint's data state and return the rollouts an async checkpoint saved."""
     if data_state is None:
         return []
-    saved_async = "async" in data_state
-    if saved_async != bool(cfg.max_staleness) or (saved_async and data_state["async"]["max_staleness"] != cfg.max_staleness):
-        was = data_state["async"]["max_staleness"] if saved_async else 0
-        raise ValueError(f"{cfg.folder}: the checkpoint was saved with max_staleness {was}, the recipe says "
-                         f"{cfg.max_staleness}; an exact resume needs the same (or start the stage afresh)")
-    if not saved_async:
-        sampler.load_state_dict(data_state)
-        return []
-    sampler.load_state_dict(data_state["sampler"])
-    return [RolloutItem.from_state(o, GroupBatch) for o in data_state["async"]["pending"]]
+    saved = data_state.get("async")
+    pending = restore_pending(cfg.folder, cfg.max_staleness, saved, GroupBatch)  # another k: an error
+    sampler.load_state_dict(data_state if saved is None else data_state["sampler"])
+    return pending
 
 
 # ---- the stage -----------------------------------------------------------------------------------
@@ -551,7 +544,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                         engine.release_memory()
                 else:
                     item, waited = rollouts.get(index)
-                    b, metrics = item.batch, {**item.metrics, **async_metrics(index, item, waited)}
+                    b, metrics = item.batch, {**item.metrics, **staleness_metrics(index, item, waited)}
                 rows = ctx.ranks.sum({"rows": 0 if b is None else len(b)})["rows"]  # every rank's usable rows
                 if b is None and rows > 0:  # data-parallel: other ranks have rows, this one joins with none
                     b = GroupBatch.empty()
