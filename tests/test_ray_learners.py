@@ -191,7 +191,7 @@ def test_a_rank_killed_in_a_collective_stops_the_run_with_a_clear_message():
 # ---- whole runs ----------------------------------------------------------------------------------------
 def _sft(tmp: Path, **stage) -> Path:
     d = sft_recipe()
-    d["stages"][0].update(steps=3, save_every=100, **stage)
+    d["stages"][0].update({"steps": 3, "save_every": 100, **stage})
     path = tmp / "sft.yaml"
     path.write_text(yaml.safe_dump(d))
     return path
