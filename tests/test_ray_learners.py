@@ -231,3 +231,27 @@ def test_a_rank_killed_mid_run_stops_the_run(tmp_path):
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert 1 <= len(logged) < 40 and not (out / "checkpoints" / "sft" / "final").exists()  # stopped mid-run
     print(f"\nkilled rank 1 after step {logged[0]}: stopped at step {logged[-1]} of 40 in {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.slow
+def test_one_learner_actor_with_a_rollout_worker_equals_one_process(tmp_path):
+    """`--nproc 1 --launcher ray` with `placement: {rollout_workers: 1}`: the learner in one Ray actor, its
+    rollouts on another (started from the learner's actor) — the samples one process draws, so the same
+    final weights, bitwise (3 GRPO steps; the test's recipe moves weights by ~1e-2)."""
+    from test_distributed import grpo_recipe
+
+    d = grpo_recipe()
+    d["stages"][0].update({"steps": 3, "save_every": 100})
+    plain, placed = tmp_path / "grpo.yaml", tmp_path / "placed.yaml"
+    plain.write_text(yaml.safe_dump(d))
+    placed.write_text(yaml.safe_dump({**d, "placement": {"mode": "split", "rollout_workers": 1}}))
+    run_one(plain, tmp_path / "one")
+    said = run_one(placed, tmp_path / "ray", "--launcher", "ray")
+    assert "launching 1 learner ranks as Ray actors" in said
+    a, b = weights(tmp_path / "one", "grpo"), weights(tmp_path / "ray", "grpo")
+    assert max_diff(a, weights(tmp_path / "one", "base")) > 1e-3
+    assert all(bool((a[k] == b[k]).all()) for k in a)
+    rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sync/bytes"] > 0 for r in rows] == [True] * 3  # the weights went to the worker after every step
+    workers = {json.loads(line).get("worker") for line in (tmp_path / "ray" / "phases.jsonl").read_text().splitlines()}
+    assert "rollout0" in workers
