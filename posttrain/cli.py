@@ -161,7 +161,9 @@ def _launch_ray_learners(nproc: int, recipe: Path, overrides: list[str]) -> None
     try:
         launch_learners(group, rank_entry, args, print_fn=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     except LearnerError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True, markup=False)
+        from rich.markup import escape  # the message quotes a rank's output, which may hold [brackets]
+
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     raise typer.Exit(0)
 
