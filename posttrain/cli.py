@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -15,6 +16,14 @@ from rich.console import Console
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="LLM post-training from one YAML recipe, measured on the roofline.")
 console = Console()
 T = TypeVar("T")
+
+
+class Launcher(StrEnum):
+    """Who starts the ranks of `posttrain run --nproc N`."""
+
+    torchrun = "torchrun"
+    ray = "ray"
+
 DOCTOR_STOP_EXIT = 3  # the live doctor stopped the run (doctor.stop_on); 2 = a user error, 1 = a crash
 
 
@@ -104,8 +113,11 @@ def run(
     out: Annotated[Path | None, typer.Option(help="run folder (default runs/<recipe name>)")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run in --out from its newest checkpoint")] = False,
     nproc: Annotated[int, typer.Option(min=1, help="data-parallel ranks on this machine: launches torchrun (torch.distributed.run) with the same arguments (docs/distributed.md); 1 = a plain run")] = 1,
+    launcher: Annotated[Launcher, typer.Option(help="who starts the --nproc ranks: torchrun (this machine), or ray (Ray actors on the Ray cluster; docs/placement.md)")] = Launcher.torchrun,
 ) -> None:
     """Run a recipe."""
+    if launcher is Launcher.ray and "WORLD_SIZE" not in os.environ:
+        _launch_ray_learners(nproc, recipe, overrides or [])
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         _launch_ranks(nproc, recipe, overrides or [])
     if "WORLD_SIZE" in os.environ and nproc > 1 and int(os.environ["WORLD_SIZE"]) != nproc:
@@ -113,6 +125,61 @@ def run(
                       f"ranks already (started by torchrun); drop --nproc or torchrun")
         raise typer.Exit(2)
     _run(recipe, out, resume, overrides or [], fresh=False)
+
+
+def _rank_entry(argv: list[str]) -> int | None:
+    """What each learner rank of `--launcher ray` runs, in its Ray actor: `posttrain run ARGV` (the
+    actor has set RANK, WORLD_SIZE, … as torchrun would); its exit status."""
+    return app(args=["run", *argv], prog_name="posttrain", standalone_mode=False)
+
+
+def _launch_ray_learners(nproc: int, recipe: Path, overrides: list[str]) -> None:
+    """`posttrain run --launcher ray --nproc N …`: check the recipe here, then run the same command on N
+    Ray actors forming one torch.distributed group (posttrain/distributed/ray_learners.py); rank 0's
+    output is printed here; a failed rank stops the others and is one line naming it, exit 1."""
+    from posttrain.distributed.ray_learners import LearnerError, LearnerGroup, check_rollout_placement, launch_learners
+    from posttrain.pipeline.run import check_data_parallel
+    from posttrain.runtime.config import load_recipe
+
+    loaded = _guard(lambda: load_recipe(recipe, overrides))
+    _guard(lambda: check_data_parallel(loaded, nproc))
+    placed = loaded.placement
+    try:
+        check_rollout_placement(nproc, placed.rollout_workers if placed else None,
+                                [(s.stage, s.folder) for s in loaded.stages])
+    except LearnerError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    group = LearnerGroup(nproc, num_cpus=placed.num_cpus_per_learner if placed else 1.0,
+                         num_gpus=1.0 if loaded.device.startswith("cuda") else 0.0)
+    # by reference, from its module: under `python -m posttrain.cli` this module is __main__, which Ray would pickle by value
+    from posttrain.cli import _rank_entry as rank_entry
+
+    args = _args_without(("--nproc", "--launcher"))
+    console.print(f"[dim]launching {nproc} learner ranks as Ray actors ({group.num_cpus:g} CPUs each): posttrain run "
+                  f"{' '.join(args)}")
+    try:
+        launch_learners(group, rank_entry, args, print_fn=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    except LearnerError as e:
+        from rich.markup import escape  # the message quotes a rank's output, which may hold [brackets]
+
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    raise typer.Exit(0)
+
+
+def _args_without(options: tuple[str, ...]) -> list[str]:
+    """This command's arguments after `run`, without `options` and their values."""
+    args = sys.argv[sys.argv.index("run") + 1 :] if "run" in sys.argv else []
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in options:
+            skip = True
+        elif not any(a.startswith(o + "=") for o in options):
+            kept.append(a)
+    return kept
 
 
 def _launch_ranks(nproc: int, recipe: Path, overrides: list[str]) -> None:

@@ -86,6 +86,7 @@ class Placement:
     num_cpus_per_worker: float = 1.0
     max_restarts: int = 2
     timeout_s: float = 600.0
+    num_cpus_per_learner: float = 1.0  # read by `--launcher ray` (ray_learners.py), not by this engine
 
     def __post_init__(self) -> None:
         if self.mode not in ("split", "colocated"):

@@ -521,7 +521,8 @@ class DoctorConfig(Strict):
 
 class PlacementConfig(Strict):
     """Where the RL stages' rollout workers run (docs/placement.md): Ray actors, each with its own rollout
-    engine, fed the learner's weights after every update. The learner stays in this process."""
+    engine, fed the learner's weights after every update. The learner stays in this process (or, with
+    `posttrain run --launcher ray`, in Ray actors of its own: num_cpus_per_learner)."""
 
     mode: Literal["split", "colocated"] = Field("split", description="split: each worker reserves its own CPUs (num_cpus_per_worker); colocated: workers reserve none (they share the learner's devices) and release their weight copies and KV cache after every rollout")
     rollout_workers: int = Field(1, ge=1, description="Ray actors the prompts of a rollout are split over (prompt-major; the samples equal one engine's)")
@@ -529,6 +530,7 @@ class PlacementConfig(Strict):
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs a worker reserves in split mode (Ray's resource accounting; its torch threads)")
     max_restarts: int = Field(2, ge=0, description="times a dead or timed-out worker is restarted (its request re-issued) before the run stops")
     timeout_s: float = Field(600.0, gt=0, description="seconds a worker's generate or sync may take before it is taken for dead")
+    num_cpus_per_learner: float = Field(1.0, gt=0, description="CPUs each learner rank reserves when `posttrain run --launcher ray` starts the ranks as Ray actors (docs/placement.md, \"The learner in Ray actors\")")
 
 
 # ---- data-parallel training (docs/distributed.md) ------------------------------------------------------------
