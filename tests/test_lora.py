@@ -369,7 +369,7 @@ def test_grpo_with_lora_learns_against_the_disabled_reference(tmp_path, policy_d
 
 def test_ppo_with_lora_policy_and_critic(tmp_path, policy_dir, tokenizer, world, wraps):
     rm_dir = make_reward_model(tmp_path / "rm", policy_dir)
-    cfg = PPOStage(reward_model=str(rm_dir), steps=8, batch_size=16, minibatch_size=8, ppo_epochs=2, max_new_tokens=6,
+    cfg = PPOStage(reward_model=str(rm_dir), steps=12, batch_size=16, minibatch_size=8, ppo_epochs=4, max_new_tokens=6,
                    data=[{"task": "arithmetic", "n": 64}], missing_eos_score=None, kl_coef=0.01, critic_lr=3e-3,
                    eval_per_level=2, eval_samples=1, log_every=1, optim={**FAST, "lr": 3e-2})
     ctx, sink = make_ctx(tmp_path / "run", policy_dir, tokenizer, world, cfg, targets=ALL + ["lm_head"])  # as in GRPO
@@ -379,9 +379,11 @@ def test_ppo_with_lora_policy_and_critic(tmp_path, policy_dir, tokenizer, world,
     assert_lora_trained(critic, c_start, load_file(rm_dir / "model.safetensors"), heads=("score",))
     steps = {r["step"]: r for r in sink.records}
     assert steps[1]["kl"] == pytest.approx(0.0, abs=1e-4)
-    first, last = [steps[s]["rm/score"] for s in (1, 2)], [steps[s]["rm/score"] for s in (7, 8)]
-    assert sum(last) / 2 > sum(first) / 2 + 0.5, (first, last)
-    assert "eval/h2h/gold_reward" in steps[8]
+    # 16 replies a step score ±1.5 around their mean: the first four steps against the last four. (Eight
+    # steps, two against two, failed on another CPU's round-off; recipe seeds 0–5 here clear this by 1.9–7.)
+    first, last = [steps[s]["rm/score"] for s in (1, 2, 3, 4)], [steps[s]["rm/score"] for s in (9, 10, 11, 12)]
+    assert sum(last) / 4 > sum(first) / 4 + 0.5, (first, last)
+    assert "eval/h2h/gold_reward" in steps[12]
     adapter_checkpoint(result.checkpoint)
 
 
