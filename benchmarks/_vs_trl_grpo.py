@@ -75,8 +75,11 @@ def prepare(folder: Path, *, problems: int = 512, max_seq_len: int = 160) -> tup
 
 # ---- our side --------------------------------------------------------------------------------------
 def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: bool, completion: int = COMPLETION,
-             lora: bool = False, overrides: dict | None = None) -> dict:
-    """`overrides`: fields of our grpo stage to set (an A/B of one setting in one process)."""
+             lora: bool = False, overrides: dict | None = None, mmap_threshold_mib: float | None = None,
+             on_step=None) -> dict:
+    """`overrides`: fields of our grpo stage to set (an A/B of one setting in one process).
+    `mmap_threshold_mib`: the host allocator's threshold (default: the recipe's, as `posttrain run` sets it).
+    `on_step(record)`: called at the end of every step with the step's metrics."""
     import torch
     from rich.console import Console
 
@@ -91,7 +94,8 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
     from posttrain.worlds.arithmetic import ArithmeticWorld
 
     torch.set_num_threads(threads)
-    set_mmap_threshold(int(Recipe.model_fields["mmap_threshold_mib"].default * 2**20))  # as `posttrain run` does (runtime/allocator.py)
+    mib = Recipe.model_fields["mmap_threshold_mib"].default if mmap_threshold_mib is None else mmap_threshold_mib
+    set_mmap_threshold(int(mib * 2**20))  # as `posttrain run` does (runtime/allocator.py)
     stage = {"stage": "grpo", "steps": steps + 1, "batch_size": SEQS, "group_size": G, "max_new_tokens": completion, "max_prompt_len": 160,
              "temperature": 1.0, "kl_coef": 0.0, "loss": "dapo", "mu": 1, "rewards": [{"name": "gold"}],
              "data": [{"path": str(data)}], "log_every": 1, "save_every": steps + 1,
@@ -105,6 +109,8 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
         def log(self, r: dict) -> None:  # called once at the end of every step (log_every 1)
             records.append(r)
             cpu.append(time.process_time())
+            if on_step is not None:
+                on_step(r)
 
         def close(self) -> None:
             pass

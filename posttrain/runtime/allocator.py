@@ -1,18 +1,24 @@
-"""The process's host allocator policy: large CPU tensors in their own mappings, so freed memory leaves.
+"""The process's host allocator policy: the largest CPU tensors in their own mappings, the rest reused in the heap.
 
 PyTorch's CPU allocator calls the C library's `malloc` for every tensor and keeps no cache. glibc serves a
 block below its mmap threshold from the heap, and that threshold is *dynamic*: it starts at 128 KiB and
-rises to the size of each mapped block that is freed, up to 32 MiB. After the first training step, then,
-the activations of a long sequence (tensors of 1–32 MiB) come from the heap; a freed block is reused only
-by a request that fits it, the heap grows around the ones that do not, and its free pages are not
-returned. The resident set climbs step after step: a GRPO step on tiny-30m at 512-token completions
-peaked at 3,601 → 4,191 → 4,514 MiB over its first three steps, holding 2.6–4.1 GB between updates.
+rises to the size of each mapped block that is freed, up to 32 MiB. So the first steps map and fault in
+blocks that later steps take from the heap, and the heap, which reuses a freed block only for a request
+that fits it, grows around the ones that do not.
 
 Fixing the threshold (`mallopt(M_MMAP_THRESHOLD, …)`, which also turns the dynamic rule off) puts every
-block at or above it in its own mapping, unmapped when freed: the same run peaked at 3,224 → 3,499 →
-3,521 MiB and fell back to ~1.1 GB between updates (docs/performance.md, "Memory"). The cost is one
-mmap/munmap and the page faults of first touch per large tensor — small next to the arithmetic that fills
-it; blocks below the threshold (most of a small model's) are served from the heap as before.
+block at or above it in its own mapping, unmapped when freed, from the first step on. What that costs is
+the page faults of first touch: a mapped block is faulted in page by page every time it is allocated.
+tiny-30m GRPO, bf16, one thread (docs/performance.md, "Memory"): at 128-token completions an update took
+~240,000 faults and 2.66 s at 4 MiB (the first default) against ~4,700 and 2.29 s at 32 MiB; at 512
+tokens a step took 22.2 s against 17.6 s, and peaked 3,216 → 3,987 MiB over five steps against
+3,754 → 4,471. The default is glibc's own ceiling, 32 MiB: blocks above it (a long sequence's logits and
+attention scores) are mapped, the rest reused from the heap; `mmap_threshold_mib: 4` buys the lower peak
+with that time. At either threshold the peak still rises over the first steps; why is not yet measured.
+
+Fixing the mmap threshold also freezes the trim threshold at its 128 KiB start, so a free that leaves
+more than that at the heap's top hands the pages back, and the next allocation faults them in again.
+`set_mmap_threshold` sets it to twice the mmap threshold, glibc's own ratio under its dynamic rule.
 
 glibc only (Linux); elsewhere, or where the call fails, nothing changes and `set_mmap_threshold` says why.
 """
@@ -22,12 +28,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 
 
 def set_mmap_threshold(nbytes: int | None) -> str | None:
-    """Serve every block of ≥ `nbytes` from its own mapping (None: leave glibc's dynamic threshold).
-    Returns None when set, else why not (not glibc, the call refused)."""
+    """Serve every block of ≥ `nbytes` from its own mapping, and let the heap keep up to 2 × `nbytes` of
+    free memory at its top (None: leave glibc's dynamic thresholds). Returns None when set, else why not
+    (not glibc, the call refused)."""
     if nbytes is None:
         return None
     name = ctypes.util.find_library("c")
@@ -39,4 +46,8 @@ def set_mmap_threshold(nbytes: int | None) -> str | None:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if mallopt(M_MMAP_THRESHOLD, int(nbytes)) != 1:  # glibc returns 1 on success
         return f"mallopt(M_MMAP_THRESHOLD, {int(nbytes)}) refused"
+    # the trim threshold, frozen at 128 KiB by the call above (module docstring): 15,600 faults per tiny-30m
+    # update at 32 tokens with it there, 2,900 at 64 MiB
+    if mallopt(M_TRIM_THRESHOLD, 2 * int(nbytes)) != 1:
+        return f"mallopt(M_TRIM_THRESHOLD, {2 * int(nbytes)}) refused"
     return None

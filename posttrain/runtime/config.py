@@ -546,7 +546,7 @@ class Recipe(Strict):
     device: str = Field("cpu", description="torch device")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="training precision (bf16 = autocast, fp32 master weights)")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's)")
-    mmap_threshold_mib: float | None = Field(4.0, gt=0, le=32, description="CPU tensors of at least this many MiB get their own memory mapping, returned to the OS when freed (glibc's mallopt; posttrain/runtime/allocator.py) — keeps the resident set from climbing step after step on long sequences; null = glibc's dynamic threshold")
+    mmap_threshold_mib: float | None = Field(32.0, gt=0, le=32, description="CPU tensors of at least this many MiB get their own memory mapping, returned to the OS when freed, and the heap keeps up to twice this much free at its top (glibc's mallopt; posttrain/runtime/allocator.py). Lower trades time for memory: at 4, long sequences peak lower but every large activation is page-faulted in again each step (docs/performance.md); null = glibc's dynamic thresholds")
     world_seed: int = Field(0, description="seed of the arithmetic task's world (its splits and held-out problems)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     evals: list[EvalSpec] = Field(default_factory=list, description="held-out evals after every stage (and of a loaded start): exactly these, none by default")
