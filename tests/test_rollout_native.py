@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 
 import pytest
 import torch
@@ -290,6 +291,33 @@ def test_release_memory_frees_the_copies_and_sync_rebuilds_them_exactly(tok, dty
     assert torch.equal(after.completion_ids, fresh.completion_ids)
     assert torch.equal(after.policy_logprobs, fresh.policy_logprobs)
     assert engine.release_memory() == held and engine.release_memory() == 0  # a second release frees nothing more
+
+
+@pytest.mark.parametrize("kernels, dtype, matmul", [("fused", None, "mm"), ("fused", torch.bfloat16, "dnn"),
+                                                    ("fused", torch.bfloat16, "c"), ("hf", None, "auto")])
+def test_a_rollout_leaves_no_tensor_to_the_cyclic_collector(tok, tiny1m, kernels, dtype, matmul):
+    """A generate's KV cache, decode buffers and packed weights are freed when it returns, by reference
+    counting: a reference cycle through them (a bound method stored on the decode plan, the HF cache view
+    holding its cache) kept every rollout's buffers until Python's cyclic collector ran — ~170 MiB more
+    resident per GRPO step at 512-token completions. With the collector off, nothing a rollout leaves
+    behind in a cycle may be a tensor."""
+    if matmul != "auto" and not FORMS[matmul].available(dtype or torch.float32, 3):
+        pytest.skip(f"this CPU cannot run the {matmul} form on {dtype} weights")
+    engine = NativeEngine(tiny1m, tok, kernels=kernels, dtype=dtype, matmul=matmul)
+    prompts, params = prompts_of(tok, 3), SamplingParams(max_new_tokens=8, seed=5, n=2)
+    engine.generate(prompts, params)  # the first call builds what stays (copies, decode forms, tuning)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds unreachable is kept in gc.garbage to look at
+    try:
+        engine.generate(prompts, params)
+        gc.collect()
+        cyclic = [type(o).__name__ for o in gc.garbage if torch.is_tensor(o)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cyclic == [], f"{len(cyclic)} tensors of the rollout waited for the cyclic collector"
 
 
 def test_small_bf16_weights_are_multiplied_in_fp32_on_their_exact_values(tok, tiny1m):

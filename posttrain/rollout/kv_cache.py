@@ -11,6 +11,8 @@ rotary pairs of each head side by side; `DecodePlan` writes the new key straight
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -82,15 +84,24 @@ class KVCache:
 
 
 class _HFLayer(CacheLayerMixin):
-    """One layer of `KVCache` behind the `transformers` cache-layer interface."""
+    """One layer of `KVCache` behind the `transformers` cache-layer interface. It holds its cache weakly:
+    the cache holds it (`KVCache.hf`), and a reference cycle would keep every rollout's buffers alive until
+    Python's cyclic collector ran."""
 
     is_compileable = False
     is_sliding = False
 
     def __init__(self, parent: KVCache, index: int):
         super().__init__()
-        self.parent, self.index = parent, index
+        self._parent, self.index = weakref.ref(parent), index
         self.is_initialized = True
+
+    @property
+    def parent(self) -> KVCache:
+        cache = self._parent()
+        if cache is None:
+            raise RuntimeError("KVCache.hf(): the KVCache these layers read was freed; keep it while its hf() is in use")
+        return cache
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:  # buffers already exist
         return None

@@ -34,6 +34,7 @@ per live row per step, only when stop strings are given.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -109,10 +110,19 @@ TRIM_AT_BYTES = 64 << 20
 def _return_free_memory() -> None:
     """glibc's `malloc_trim(0)`: hand the heap's free pages back to the OS. Freed tensors below glibc's
     (dynamic) mmap threshold stay in the heap otherwise, and the process's resident set does not fall."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, loaded once (each `ctypes.CDLL` is a small reference cycle); None where the C
+    library has none (macOS, musl)."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
-        pass
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 class NativeEngine:
