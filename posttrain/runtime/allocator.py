@@ -9,12 +9,12 @@ that fits it, grows around the ones that do not.
 Fixing the threshold (`mallopt(M_MMAP_THRESHOLD, …)`, which also turns the dynamic rule off) puts every
 block at or above it in its own mapping, unmapped when freed, from the first step on. What that costs is
 the page faults of first touch: a mapped block is faulted in page by page every time it is allocated.
-tiny-30m GRPO, bf16, one thread (docs/performance.md, "Memory"): at 128-token completions an update took
-~240,000 faults and 2.66 s at 4 MiB (the first default) against ~4,700 and 2.29 s at 32 MiB; at 512
-tokens a step took 22.2 s against 17.6 s, and peaked 3,216 → 3,987 MiB over five steps against
-3,754 → 4,471. The default is glibc's own ceiling, 32 MiB: blocks above it (a long sequence's logits and
-attention scores) are mapped, the rest reused from the heap; `mmap_threshold_mib: 4` buys the lower peak
-with that time. At either threshold the peak still rises over the first steps; why is not yet measured.
+tiny-30m GRPO, bf16, one thread (`benchmarks/allocator.py`; docs/performance.md, "Memory"): at 128-token
+completions a step took 5.4–5.7 s and 620,000–670,000 faults at 4 MiB (the first default) against 4.7 s
+and 275,000 at 32 MiB, peaking 1,720–1,745 MiB against 1,924–1,938; at 512 tokens 29.7 s against 23.0 s,
+peaking 3,379 against 4,187 MiB. The default is glibc's own ceiling, 32 MiB: blocks above it (a long
+sequence's logits and attention scores) are mapped, the rest reused from the heap; `mmap_threshold_mib: 4`
+buys the lower peak with that time.
 
 Fixing the mmap threshold also freezes the trim threshold at its 128 KiB start, so a free that leaves
 more than that at the heap's top hands the pages back, and the next allocation faults them in again.
