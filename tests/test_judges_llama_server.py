@@ -6,7 +6,7 @@ the same port, a timeout, and the cached replay a resumed run makes (no second r
 `tests/test_judges_endpoint.py` drives the same client through scripted faults (a 503, a connection
 dropped mid-request, a stall) from a small HTTP server of our own; this file is the same client against
 the server people run. It needs `pip install "llama-cpp-python[server]"` (built from source: a C++
-compiler and cmake, ~25 min on 2 cores) and skips without it; `scripts/test.sh` does not install it.
+compiler, a few minutes on 2 idle cores) and skips without it, saying so; `scripts/test.sh` installs it.
 """
 
 from __future__ import annotations
