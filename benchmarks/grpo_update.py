@@ -20,7 +20,7 @@ import torch
 
 from posttrain.models import build_tiny
 from posttrain.rollout.text import positions_from_mask
-from posttrain.stages._packing import shared_prompt_logits
+from posttrain.stages._packing import shared_prompt_logprobs
 
 
 def batch(vocab: int, prompts: int, group: int, prompt_len: int, completion_len: int, seed: int = 0):
@@ -57,11 +57,12 @@ def main() -> None:
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not a.fp32):
             if shared:
-                logits = shared_prompt_logits(model, ids, mask, pos, p, 0)
+                logps = shared_prompt_logprobs(model, ids, mask, pos, p)
             else:
                 logits = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
                                logits_to_keep=n).logits  # as the stage's padded path: the last token is no input
-        torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).sum().backward()
+                logps = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])
+        logps.sum().backward()
         if not keep_grads:
             model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0

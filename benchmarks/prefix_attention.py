@@ -3,7 +3,7 @@ kept fp32 softmax, and fused SDPA under a boolean mask (posttrain/models/prefix_
 
 One attention call, forward + backward, bf16, the shapes of tiny-30m (8 query heads, 4 KV heads, head
 dim 64): GRPO groups (2 rows × G 8, 16-token prompt, N-token slots) and DPO pairs (8 pairs as groups of
-two). Times: CPU seconds, the median of `--reps` calls, the two ways interleaved in one process. Memory:
+two), every group packed into one row with its completions at length N (`Segments`). Times: CPU seconds, the median of `--reps` calls, the two ways interleaved in one process. Memory:
 the peak resident set each way adds, each measured in its own subprocess (`--memory`).
 
     python benchmarks/prefix_attention.py --threads 1 --reps 5 --memory
@@ -37,14 +37,17 @@ class _Module:
 def call(way: str, rows: int, slots: int, prefix: int, n: int, reps: int = 1) -> list[float]:
     """CPU seconds of `reps` forward + backward calls, `way` forced through the threshold."""
     prefix_attention.SDPA_FROM = 1 if way == "sdpa" else 10**9
-    width = prefix + slots * n
-    mk = lambda h: torch.randn(rows, h, width, D, dtype=torch.bfloat16, requires_grad=True)
+    group = prefix + slots * n
+    segments = prefix_attention.Segments(
+        prefixes=tuple((r * group, prefix) for r in range(rows)),
+        slots=tuple(tuple((r * group + prefix + j * n, n) for j in range(slots)) for r in range(rows)))
+    mk = lambda h: torch.randn(1, h, rows * group, D, dtype=torch.bfloat16, requires_grad=True)
     q, k, v = mk(HQ), mk(HKV), mk(HKV)
-    mask = torch.ones(rows, 1, 1, width, dtype=torch.bool)
+    mask = torch.ones(1, 1, 1, rows * group, dtype=torch.bool)
     out = []
     for _ in range(reps):
         t0 = time.process_time()
-        o, _ = prefix_attention.shared_prefix_attention(_Module(), q, k, v, mask, D**-0.5, prefix_len=prefix, slots=slots)
+        o, _ = prefix_attention.shared_prefix_attention(_Module(), q, k, v, mask, D**-0.5, segments=segments)
         o.float().sum().backward()
         out.append(time.process_time() - t0)
         q.grad = k.grad = v.grad = None

@@ -9,7 +9,8 @@ from posttrain.models import build_tiny
 from posttrain.models import prefix_attention
 from posttrain.models.prefix_attention import NAME, shared_prefix
 from posttrain.rollout.text import positions_from_mask
-from posttrain.stages._packing import group_rows, shared_prompt_logits
+from posttrain.models.prefix_attention import Segments
+from posttrain.stages._packing import pack_groups, packed_width, shared_prompt_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PAD = 0
@@ -39,30 +40,63 @@ def case(vocab: int, seed: int = 0):
     return padded_batch(prompts, completions)
 
 
-def test_layout_shares_each_prompt_once_and_keeps_positions():
-    # prompts [5, 6] ×2 then [7] ×1: rows = 2 groups, 2 slots; N = 3 (longest completion)
+def test_layout_packs_each_prompt_once_and_each_completion_at_its_length():
+    # prompts [5, 6] ×2 then [7] ×1; completions of 3, 1 and 2 tokens (a completion's last token is no input)
     ids, mask, pos, p = padded_batch([[5, 6], [5, 6], [7]], [[1, 2, 3], [4], [8, 9]])
-    lay = group_rows(ids, mask, pos, p, PAD)
-    assert (lay.prefix_len, lay.slots) == (2, 2)
-    assert lay.input_ids.tolist() == [[5, 6, 1, 2, 3, 4, 0, 0], [0, 7, 8, 9, 0, 0, 0, 0]]
-    # slot tokens continue from the prompt's length: [5 6 | 1 2 3] → 2 3 4; [7 | 8 9] → 1 2
-    real = lay.key_mask[:, 0, 0]
-    assert lay.position_ids[real].tolist() == [0, 1, 2, 3, 4, 2, 0, 1, 2]
-    assert lay.row.tolist() == [0, 0, 1] and lay.slot.tolist() == [0, 1, 0]
+    lay = pack_groups(ids, mask, pos, p)
+    assert lay.input_ids.tolist() == [[5, 6, 1, 2, 7, 8]]            # no padding anywhere
+    # slot tokens continue from the prompt's length: [5 6 | 1 2] → 2 3; [7 | 8] → 1
+    assert lay.position_ids.tolist() == [[0, 1, 2, 3, 0, 1]]
+    assert lay.segments == Segments(prefixes=((0, 2), (4, 1)), slots=(((2, 2),), ((5, 1),)))
+    assert packed_width(ids, mask, p) == lay.segments.width == 6
+    # logits kept: the prompts' last columns, then the slot columns; token 0 of each completion is
+    # predicted by its prompt's last column, token t by the slot column of token t − 1
+    assert lay.keep.tolist() == [1, 4, 2, 3, 5]
+    assert lay.first.tolist() == [0, 0, 1]
+    assert lay.seq.tolist() == [0, 0, 0, 1, 2, 2] and lay.pos.tolist() == [0, 1, 2, 0, 0, 1]
 
 
-@pytest.fixture(params=["matmul", "sdpa"])
+def test_layout_rejects_completions_that_are_not_right_padded():
+    ids, mask, pos, p = padded_batch([[5, 6], [5, 6]], [[1, 2, 3], [4]])
+    mask[0, p + 1] = False  # a hole inside completion 0
+    with pytest.raises(ValueError, match="right-padded"):
+        pack_groups(ids, mask, pos, p)
+
+
+@pytest.fixture(params=["matmul", "sdpa", "mixed"])
 def products(request, monkeypatch):
-    """Both ways the kernel computes its two products: matmuls + fp32 softmax (short keys), and fused
-    SDPA (long keys) — forced here by moving the threshold, so both run on the same short case."""
-    monkeypatch.setattr(prefix_attention, "SDPA_FROM", 10**9 if request.param == "matmul" else 1)
+    """Every way the kernel computes its products: all in one padded bucket through matmuls (short keys),
+    every size in its own bucket through fused SDPA (long keys), and both in one forward (the case's
+    products have 3 to 15 keys; from 9 they go to SDPA) — forced by moving the thresholds, so all run on
+    the same short case."""
+    sdpa_from, budget = {"matmul": (10**9, 10**9), "sdpa": (1, 0), "mixed": (9, 0)}[request.param]
+    monkeypatch.setattr(prefix_attention, "SDPA_FROM", sdpa_from)
+    monkeypatch.setattr(prefix_attention, "PAD_BUDGET", budget)
     return request.param
+
+
+def test_plan_buckets_products_of_similar_size_and_restores_column_order():
+    # one prompt of 4 tokens and slots of 6, 6, 5 and 1 columns, then a prompt of 2 with one slot of 6
+    seg = Segments(prefixes=((0, 4), (22, 2)), slots=(((4, 6), (10, 6), (16, 5), (21, 1)), ((24, 6),)))
+    plan = prefix_attention._plan(seg, 10**9, 0, torch.device("cpu"))
+    # no padding allowed: equal sizes only — slots 6 after prompt 4 (×2), slot 6 after prompt 2, slot 5, …
+    assert [(b.m, b.length, b.keys) for b in plan.buckets] == [(2, 6, 10), (1, 6, 8), (1, 5, 9), (1, 4, 4), (1, 2, 2), (1, 1, 5)]
+    loose = prefix_attention._plan(seg, 10**9, 10**9, torch.device("cpu"))
+    assert [(b.m, b.length, b.keys) for b in loose.buckets] == [(7, 6, 10)]       # everything in one
+    for p in (plan, loose):
+        # every column's output comes from the bucket row that holds that column as its query
+        assert p.q_index[p.out_index].tolist() == list(range(seg.width))
+    # the slot at 16 (5 queries after the first prompt's 4 keys) in the loose bucket: its keys are the
+    # prompt's, then its own, then padding
+    m = 3
+    assert loose.k_index[m * 10 : (m + 1) * 10].tolist() == [0, 1, 2, 3, 16, 17, 18, 19, 20, 0]
+    assert loose.buckets[0].mask[m, 0, 0, 2].tolist() == [0, 0, 0, 0, 0, 0, 0, float("-inf"), float("-inf"), float("-inf")]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # GQA (tiny-30m-like heads) and q/k/v biases (qwen2)
 @pytest.mark.parametrize("amp", [False, True])
 def test_shared_prefix_forward_equals_the_padded_one(tokenizer, arch, amp, products):
-    """Logits and every parameter's gradient equal the padded forward's, in fp32 and under bf16 autocast."""
+    """Log-probs and every parameter's gradient equal the padded forward's, in fp32 and under bf16 autocast."""
     model = build_tiny("tiny-4m", vocab_size=len(tokenizer), arch=arch, seed=1, max_seq_len=64,
                        pad_token_id=PAD, eos_token_id=tokenizer.eos_token_id)
     model.config._attn_implementation = "eager"
@@ -79,10 +113,10 @@ def test_shared_prefix_forward_equals_the_padded_one(tokenizer, arch, amp, produ
         model.zero_grad(set_to_none=True)
         with autocast:
             if shared:
-                logits = shared_prompt_logits(model, ids, mask, pos, p, PAD)
+                logps = shared_prompt_logprobs(model, ids, mask, pos, p) * c_mask
             else:
                 logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=ids.shape[1] - p + 1).logits[:, :-1]
-        logps = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0] * c_mask
+                logps = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0] * c_mask
         logps.sum().backward()
         return logps.detach(), {n: q.grad.clone() for n, q in model.named_parameters()}
 
@@ -97,8 +131,8 @@ def test_shared_prefix_forward_equals_the_padded_one(tokenizer, arch, amp, produ
 
 
 def test_kernel_is_what_runs_and_slots_never_see_each_other(tokenizer, products):
-    """Changing one completion's tokens leaves every other completion's logits bitwise unchanged —
-    which a mask that let slots see their left neighbours would break — and the kernel is the one called."""
+    """Changing one completion's tokens leaves every other completion's log-probs bitwise unchanged —
+    which a kernel that let slots see their left neighbours would break — and the kernel is the one called."""
     model = build_tiny("tiny-1m", vocab_size=len(tokenizer), seed=0, max_seq_len=64, pad_token_id=PAD)
     ids, mask, pos, p = case(len(tokenizer))
     calls = []
@@ -108,10 +142,10 @@ def test_kernel_is_what_runs_and_slots_never_see_each_other(tokenizer, products)
     AttentionInterface._global_mapping[NAME] = lambda *a, **k: calls.append(1) or kernel(*a, **k)
     try:
         with torch.no_grad():
-            before = shared_prompt_logits(model, ids, mask, pos, p, PAD)
+            before = shared_prompt_logprobs(model, ids, mask, pos, p)
             changed = ids.clone()
             changed[0, p : p + 9] = torch.randint(1, len(tokenizer), (9,))  # sequence 0 = slot 0 of group 0
-            after = shared_prompt_logits(model, changed, mask, pos, p, PAD)
+            after = shared_prompt_logprobs(model, changed, mask, pos, p)
     finally:
         AttentionInterface._global_mapping[NAME] = kernel
     assert len(calls) == 2 * model.config.num_hidden_layers
@@ -119,8 +153,9 @@ def test_kernel_is_what_runs_and_slots_never_see_each_other(tokenizer, products)
     assert not torch.equal(before[0, 1:], after[0, 1:])
 
 
-def test_width_that_does_not_split_into_slots_is_an_error(tokenizer):
+def test_a_row_that_is_not_the_segments_width_is_an_error(tokenizer):
     model = build_tiny("tiny-1m", vocab_size=len(tokenizer), seed=0, max_seq_len=64, pad_token_id=PAD)
     ids = torch.ones(1, 10, dtype=torch.long)
-    with shared_prefix(model), pytest.raises(ValueError, match="not prefix_len 3 \\+ slots 2"):
-        model(input_ids=ids, attention_mask=torch.ones(1, 1, 1, 10, dtype=torch.bool), prefix_len=3, slots=2)
+    segments = Segments(prefixes=((0, 3),), slots=(((3, 2), (5, 2)),))  # 7 columns
+    with shared_prefix(model), pytest.raises(ValueError, match="one packed row of 7 columns"):
+        model(input_ids=ids, attention_mask=torch.ones(1, 1, 1, 10, dtype=torch.bool), segments=segments)

@@ -9,9 +9,7 @@ from posttrain.data import EncodedCompletion, encode_preference, parse_record
 from posttrain.models import build_tiny
 from posttrain.stages._packing import (
     first_fit,
-    pack_pairs,
     pair_logps,
-    pair_logps_blocks,
     sequence_logps,
     sequence_logps_padded,
 )
@@ -45,18 +43,16 @@ def test_packed_sequences_match_the_padded_forward(setup, length_normalized):
     torch.testing.assert_close(packed, naive, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("row_len", [1, 192])  # every pair longer than a row (the block kernel), and packed rows
-def test_shared_prompt_pairs_match_the_padded_forward(setup, row_len):
+def test_shared_prompt_pairs_match_the_padded_forward(setup):
     model, pairs, pad = setup
     naive_a = sequence_logps_padded(model, [p.chosen for p in pairs], pad, length_normalized=False)
     naive_b = sequence_logps_padded(model, [p.rejected for p in pairs], pad, length_normalized=False)
-    a, b = pair_logps(model, [(p.chosen, p.rejected) for p in pairs], pad, length_normalized=False, row_len=row_len)
+    a, b = pair_logps(model, [(p.chosen, p.rejected) for p in pairs], pad, length_normalized=False)
     torch.testing.assert_close(a, naive_a, rtol=0, atol=1e-4)
     torch.testing.assert_close(b, naive_b, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("row_len", [1, 192])
-def test_shared_prompt_gradients_match_the_padded_forward(setup, row_len):
+def test_shared_prompt_gradients_match_the_padded_forward(setup):
     model, pairs, pad = setup
     subset = pairs[:4]
 
@@ -68,32 +64,35 @@ def test_shared_prompt_gradients_match_the_padded_forward(setup, row_len):
 
     naive = grads(lambda: (sequence_logps_padded(model, [p.chosen for p in subset], pad, length_normalized=False),
                            sequence_logps_padded(model, [p.rejected for p in subset], pad, length_normalized=False)))
-    shared = grads(lambda: pair_logps(model, [(p.chosen, p.rejected) for p in subset], pad, length_normalized=False,
-                                      row_len=row_len))
+    shared = grads(lambda: pair_logps(model, [(p.chosen, p.rejected) for p in subset], pad, length_normalized=False))
     for g_naive, g_shared in zip(naive, shared):
         torch.testing.assert_close(g_shared, g_naive, rtol=1e-3, atol=1e-5)
     model.zero_grad()
 
 
-def test_the_second_reply_never_sees_the_first():
+def test_the_second_reply_never_sees_the_first(setup):
+    """Changing reply a leaves reply b's log-prob bitwise unchanged (a kernel that let b see a would not),
+    and a pair whose replies do not share the prompt is an error naming the pair."""
+    model, _, _ = setup
     a = EncodedCompletion([1, 2, 3, 4], [-100, -100, 3, 4], prompt_len=2)
-    b = EncodedCompletion([1, 2, 5], [-100, -100, 5], prompt_len=2)
-    pk = pack_pairs([(a, b)], pad_id=0, row_len=8)
-    # layout [1 2 | 3 4 | 5]: token 5 (index 4) sees the prompt (0, 1) and itself, not reply a (2, 3)
-    assert pk.attention[0, 0, 4].tolist() == [True, True, False, False, True]
-    assert pk.position_ids[0].tolist() == [0, 1, 2, 3, 2]
-    assert pk.source[0].tolist() == [0, 0, 1, 2, 1]  # token 5 is predicted from the prompt's last position (1)
-    with pytest.raises(ValueError, match="does not share its prompt tokens"):
-        pack_pairs([(a, EncodedCompletion([9, 2, 5], [-100, -100, 5], prompt_len=2))], pad_id=0, row_len=8)
+    b = EncodedCompletion([1, 2, 5, 6], [-100, -100, 5, 6], prompt_len=2)
+    other = EncodedCompletion([1, 2, 7, 8], [-100, -100, 7, 8], prompt_len=2)
+    with torch.no_grad():
+        la, lb = pair_logps(model, [(a, b)], 0, length_normalized=False)
+        la2, lb2 = pair_logps(model, [(other, b)], 0, length_normalized=False)
+    assert torch.equal(lb, lb2) and not torch.equal(la, la2)
+    with pytest.raises(ValueError, match="pair 0 .* does not share its prompt tokens"):
+        pair_logps(model, [(a, EncodedCompletion([9, 2, 5], [-100, -100, 5], prompt_len=2, origin="x.jsonl:3"))], 0,
+                   length_normalized=False)
 
 
-def test_block_pairs_length_normalized_and_a_shared_prompt_across_pairs(setup):
-    """The block path's means equal the padded forward's; two pairs with one prompt share one row."""
+def test_pairs_length_normalized_and_a_shared_prompt_across_pairs(setup):
+    """Length-normalized means equal the padded forward's; two pairs with one prompt share it."""
     model, pairs, pad = setup
     twice = pairs[:3] + [pairs[2]]  # pairs 2 and 3 have the same prompt: one row of 4 slots
     naive_a = sequence_logps_padded(model, [p.chosen for p in twice], pad, length_normalized=True)
     naive_b = sequence_logps_padded(model, [p.rejected for p in twice], pad, length_normalized=True)
-    a, b = pair_logps_blocks(model, [(p.chosen, p.rejected) for p in twice], pad, length_normalized=True)
+    a, b = pair_logps(model, [(p.chosen, p.rejected) for p in twice], pad, length_normalized=True)
     # means of ~-6 log-probs: fp32 rounding ~1e-6; a slot seeing its neighbour would move them by > 0.01
     torch.testing.assert_close(a, naive_a, rtol=0, atol=1e-5)
     torch.testing.assert_close(b, naive_b, rtol=0, atol=1e-5)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.data import EpochSampler, encode_prompt
-from posttrain.losses import AGGREGATIONS, loss_normalizer, token_logprobs
+from posttrain.losses import AGGREGATIONS, loss_normalizer
 from posttrain.models import load_model
 from posttrain.runtime.config import GRPOStage, Recipe
 from posttrain.runtime.context import RunContext
@@ -29,7 +29,7 @@ from posttrain.stages.grpo import (
     GRPOLoss,
     build_batch,
     collect_groups,
-    completion_logits,
+    completion_logprobs,
     grpo_token_loss,
     run_grpo,
 )
@@ -120,7 +120,7 @@ def test_teacher_forced_logprobs_match_sampling_time(policy_dir, tokenizer, worl
     assert len(b) == 5 and b.advantages.tolist() == pytest.approx([1.0, -1.0, 0.5, 0.3, -0.3])
     assert b.mask.sum(1).tolist() == ro_a.completion_lengths[[0, 1, 4]].tolist() + ro_b.completion_lengths[[2, 3]].tolist()
     with torch.no_grad():
-        lp = token_logprobs(completion_logits(model, b), b.input_ids[:, b.prompt_len:])
+        lp = completion_logprobs(model, b)
     # the rollout's policy_logprobs are what a teacher-forced forward of the same weights gives: ratio = 1
     torch.testing.assert_close(lp * b.mask, b.old_logprobs, atol=2e-4, rtol=0)
     trunc = build_batch([(ro_a, [0, 1], torch.zeros(2))], engine.pad_id, mask_truncated=True)
@@ -130,8 +130,9 @@ def test_teacher_forced_logprobs_match_sampling_time(policy_dir, tokenizer, worl
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_shared_prompt_forward_equals_the_padded_one(policy_dir, tokenizer, world, attention):
-    """`share_prompt`: groups as [prompt | c_1 | … | c_G] give the padded forward's completion logits and
-    gradients (mixed prompt and completion lengths, EOS-ended and truncated samples, a split group)."""
+    """`share_prompt`: groups packed as [prompt | c_1 | … | c_G], every completion at its own length, give
+    the padded forward's completion log-probs, entropies and gradients (mixed prompt and completion
+    lengths, EOS-ended and truncated samples, a split group)."""
     model = load_model(policy_dir, attention=attention)
     engine = make_engine("native", model, tokenizer)
     problems = world.problems(3, levels=["L1", "L3", "L4"])
@@ -139,18 +140,22 @@ def test_shared_prompt_forward_equals_the_padded_one(policy_dir, tokenizer, worl
     ro = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=3))
     b = build_batch([(ro, list(range(4)), torch.zeros(4)), (ro, [4, 5, 6], torch.zeros(3)), (ro, [8, 9, 10, 11], torch.zeros(4))],
                     engine.pad_id, mask_truncated=False)
-    targets = b.input_ids[:, b.prompt_len:]
+    # completions of many lengths, so that the packing is ragged: cut row r after cuts[r] tokens
+    for r, k in enumerate([12, 3, 7, 1, 12, 5, 2, 9, 12, 4, 6]):
+        b.input_ids[r, b.prompt_len + k :] = engine.pad_id
+        b.attention_mask[r, b.prompt_len + k :] = False
+        b.mask[r, k:] = False
 
     def run(share: bool):
         model.zero_grad(set_to_none=True)
-        logits = completion_logits(model, b, share_prompt=share, pad_id=engine.pad_id)
-        lp = token_logprobs(logits, targets) * b.mask
-        lp.sum().backward()
-        return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        lp, ent = completion_logprobs(model, b, share_prompt=share, entropy=True)
+        (lp * b.mask).sum().backward()
+        return (lp * b.mask).detach(), ent * b.mask, {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    padded, g_padded = run(False)
-    shared, g_shared = run(True)
+    padded, h_padded, g_padded = run(False)
+    shared, h_shared, g_shared = run(True)
     torch.testing.assert_close(shared, padded, atol=1e-4, rtol=0)
+    torch.testing.assert_close(h_shared, h_padded, atol=1e-4, rtol=0)
     for n, g in g_padded.items():
         torch.testing.assert_close(g_shared[n], g, atol=2e-4, rtol=1e-3, msg=n)
 

@@ -1,47 +1,56 @@
-"""Attention for rows that share a prefix: [prefix | s_1 | … | s_G], each slot seeing the prefix and itself.
+"""Attention for sequences that share a prefix, packed without padding: [prefix | s_1 | … | s_G] per group.
 
-GRPO scores G completions of one prompt; a padded batch runs the prompt G times through every matmul.
-Laid out as one row per group — the prompt once (P positions, left-padded), then G slots of N
-positions each (a completion, right-padded) — the matmuls run P + G·N tokens instead of G·(P + N).
-The attention must then keep the sequences apart: slot j attends to the prompt and causally to its
-own tokens, never to another slot. A dense (P + G·N)² mask does that through any attention kernel,
-but computes and masks G² blocks to keep G of them (on tiny-30m with 22-token prompts and 8 × 32-token
-slots the masked softmax and its backward cost about as much as the matmuls saved). This kernel
-computes only the blocks that are read:
+GRPO scores G completions of one prompt; a padded batch runs the prompt G times through every matmul,
+and pads every completion to the batch's longest. Packed into one row — each group's prompt once
+(its own length, no padding), then its G completions each at its own length, then the next group —
+the matmuls run exactly the batch's real tokens, Σ_groups (P_g + Σ_j n_j) instead of B·(P + N). At
+512-token completions of a random-init model the mean length is ~250 and a fifth hit the limit: padded
+slots ran ~2× the real tokens through the matmuls and ~4× the real attention products (measured:
+docs/performance.md). The attention must keep the sequences apart: slot j attends to its group's prompt
+and causally to its own tokens, never to another slot or group. A dense mask over the row would do that
+through any kernel, but computes and masks every block to keep a few; this kernel computes only the
+blocks that are read, each at its real size (up to its bucket's padding, below):
 
-    prefix queries  (P)  × prefix keys (P), causal, pads masked              — once per row
-    slot-j queries  (N)  × [prefix keys (P) | slot-j keys (N), causal]       — G times per row
+    prefix g   (P_g queries) × prefix g keys (P_g), causal                          — once per group
+    slot (g,j) (n_j queries) × [prefix g keys (P_g) | slot (g,j) keys (n_j), causal] — once per sequence
 
-which is exactly the attention each sequence has in its own padded row (same keys, same order, the
+which is exactly the attention each sequence has in its own unpadded row (same keys, same order, the
 same scale and fp32 softmax as `transformers`' eager attention), so logits and gradients equal the
 padded forward's up to round-off (tests/test_models_prefix_attention.py; the naive reference is the
 padded forward itself).
 
 It plugs into `transformers` through its `AttentionInterface`: `shared_prefix(model)` switches the
-model's attention to this kernel for one forward, which then takes `prefix_len=` and `slots=` as
-keyword arguments (transformers passes unknown forward kwargs down to the attention function) and a
-4-D boolean `attention_mask` of shape (R, 1, 1, W) marking real tokens (a 4-D mask skips transformers'
-own mask construction). Positions are the caller's: slot tokens continue from the prompt's length.
+model's attention to this kernel for one forward, which then takes `segments=` (a `Segments`: where
+each prompt and slot lies in the row) as a keyword argument (transformers passes unknown forward kwargs
+down to the attention function) and a 4-D boolean `attention_mask` of shape (1, 1, 1, T), all True (a
+4-D mask skips transformers' own mask construction). Positions are the caller's: slot tokens continue
+from their prompt's length. GQA groups the query heads of one KV head into the rows of one matmul (no
+repeat_kv).
 
-Cost: the slot keys are [prefix | own] copies, (R, Hkv, G, P + N, D) per layer — small next to the
-activations; GQA groups the query heads of one KV head into the rows of one matmul (no repeat_kv).
-
-Two ways to compute each product, picked by its key length:
-- short (fewer than `SDPA_FROM` keys): two matmuls and an fp32 softmax, as above. The probabilities
-  (queries × keys, fp32) are kept for the backward — cheap at these lengths, and faster than a fused
-  kernel's blocking overhead;
-- long: `F.scaled_dot_product_attention` with a boolean mask over the same blocks (PyTorch's fused
-  flash kernel on a CPU and on CUDA where it takes a mask; it keeps one log-sum-exp per query, not the
-  probabilities — at 512-token completions the kept fp32 probabilities were 1.4 GB on tiny-30m).
-Both compute the same attention (tests/test_models_prefix_attention.py: fp32 within round-off).
-Measured (`python benchmarks/prefix_attention.py`, one attention call forward + backward, bf16, 1
-thread): docs/performance.md.
+Products are computed in buckets: longest first, a product joins the open bucket while the padding that
+adds costs less than a bucket's fixed cost (`PAD_BUDGET`), so equal-length pairs (DPO) or a group's
+completions that all hit the limit run as one batched call, and a ragged batch costs its real sizes. One
+gather per layer copies every bucket's queries, keys and values out of the row (each slot's keys are its
+prompt's then its own), one gather puts the outputs back in column order; a bucket's products are padded
+to its longest. Two ways to compute a bucket, picked by its key length:
+- short (fewer than `SDPA_FROM` keys): two matmuls and an fp32 softmax, GQA as the rows of one matmul
+  per KV head (as transformers' eager attention); the probabilities (queries × keys, fp32) are kept for
+  the backward;
+- long: `F.scaled_dot_product_attention` under a boolean mask (PyTorch's fused flash kernel on a CPU,
+  and on CUDA); it keeps one log-sum-exp per query, not the probabilities (at 512-token completions kept
+  fp32 probabilities were 1.4 GB on tiny-30m).
+Both compute the same attention (tests/test_models_prefix_attention.py: fp32 within round-off). The
+buckets and the gather indices are planned once per row (`_plan`, cached) and shared by every layer.
+Measured (`python benchmarks/prefix_attention.py`, one attention call forward + backward, bf16,
+1 thread): docs/performance.md.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,76 +61,129 @@ NAME = "posttrain_shared_prefix"
 # keys per query at or above which a product goes through SDPA (docs above; the crossover measured by
 # benchmarks/prefix_attention.py on this project's CPU lies between 144 and 256 keys)
 SDPA_FROM = 256
+# padding (query × key elements) worth one more bucket: a bucket's fixed cost, about a dozen small ops per
+# layer, forward and backward, costs about as much as this many padded elements' attention work
+PAD_BUDGET = 4096
 
 
-def _sdpa(query: Tensor, key: Tensor, value: Tensor, allowed: Tensor, scaling: float, dropout: float,
-          training: bool) -> Tensor:
-    """Fused attention of (B, Hq, L, D) queries over (B, Hkv, S, D) keys under a (B, 1, L, S) boolean mask
-    (True: may attend). GQA through `enable_gqa` (no repeated keys)."""
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling,
-                                          dropout_p=dropout if training else 0.0, enable_gqa=True)
+class Segments(NamedTuple):
+    """Where the groups of a packed row lie: group g's prompt at columns [prefixes[g][0], + prefixes[g][1]),
+    its slots at [start, start + length) for each (start, length) in slots[g]. Every column of the row
+    belongs to exactly one prompt or slot, in order: prompt 0, its slots, prompt 1, …"""
+
+    prefixes: tuple[tuple[int, int], ...]
+    slots: tuple[tuple[tuple[int, int], ...], ...]
+
+    @property
+    def width(self) -> int:
+        return sum(p for _, p in self.prefixes) + sum(n for group in self.slots for _, n in group)
 
 
-def _softmax_probs(scores: Tensor, bias: Tensor, scaling: float, dtype: torch.dtype, dropout: float,
-                   training: bool) -> Tensor:
-    """softmax(scores · scale + bias) in fp32, cast back to the value dtype (as HF's eager attention)."""
-    probs = torch.softmax(scores.float() * scaling + bias, dim=-1).to(dtype)
-    return F.dropout(probs, p=dropout, training=training) if dropout > 0 else probs
+class _Bucket(NamedTuple):
+    """M products computed together, each padded to L queries × S keys."""
+
+    m: int
+    length: int
+    keys: int
+    sdpa: bool    # through fused SDPA (S ≥ `SDPA_FROM`), else two matmuls and a softmax
+    mask: Tensor  # which keys each (real or padding) query attends, no row empty: SDPA's (M, 1, L, S) bool,
+                  # else the softmax's (M, 1, 1, L, S) fp32 bias (0 or −inf)
 
 
-def shared_prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor,
-                            scaling: float, dropout: float = 0.0, *, prefix_len: int, slots: int,
-                            **kwargs) -> tuple[Tensor, None]:
-    """The attention function (transformers' signature). Shapes: query (R, Hq, W, D); key, value
-    (R, Hkv, W, D) with W = prefix_len + slots · N; attention_mask (R, 1, 1, W) bool, True on real
-    tokens. Returns (R, W, Hq, D) and no weights."""
-    rows, hq, width, d = query.shape
-    hkv, p, g = key.shape[1], prefix_len, slots
-    n = (width - p) // g
-    if p < 1 or p + g * n != width:
-        raise ValueError(f"shared_prefix_attention: width {width} is not prefix_len {p} + slots {g} × N")
+class _Plan(NamedTuple):
+    """How every layer of one forward computes the products of a `Segments` row (built once per row).
+
+    A product: queries [q, q + n) attending to `ctx` context keys [c, c + ctx) then causally to their own
+    keys — a prompt (ctx 0) or a slot (ctx: its prompt's length). Products of similar size share a bucket;
+    one gather per layer copies every bucket's queries, keys and values out of the row (padding: column 0),
+    one gather puts the real queries' outputs back in column order."""
+
+    buckets: tuple[_Bucket, ...]
+    q_index: Tensor    # (Σ M·L,) the query column of each bucket row
+    k_index: Tensor    # (Σ M·S,) the key column of each bucket key
+    out_index: Tensor  # (T,) for each column of the row, its output's row in the buckets' (Σ M·L) outputs
+
+
+@functools.lru_cache(maxsize=4)
+def _plan(segments: Segments, sdpa_from: int, pad_budget: int, device: torch.device) -> _Plan:
+    products = [(a, p, a, 0) for a, p in segments.prefixes]
+    products += [(q, n, a, p) for (a, p), slots in zip(segments.prefixes, segments.slots) for q, n in slots]
+    # longest first, then greedily: a product joins the open bucket when the padding that adds costs less
+    # than a bucket's fixed cost (`pad_budget` query × key elements), else it opens the next bucket
+    products.sort(key=lambda x: (-x[1], -x[3]))
+    groups: list[list[tuple[int, int, int, int]]] = []
+    for x in products:
+        if groups:
+            group = groups[-1]
+            length, keys = group[0][1], max(ctx + n for _, n, _, ctx in group)
+            grown = (len(group) + 1) * length * max(keys, x[3] + x[1])
+            if grown - len(group) * length * keys - x[1] * (x[3] + x[1]) <= pad_budget:
+                group.append(x)
+                continue
+        groups.append([x])
+    buckets, q_index, k_index, out_at = [], [], [], {}
+    rows = 0
+    for group in groups:
+        length, keys = group[0][1], max(ctx + n for _, n, _, ctx in group)
+        i, k = torch.arange(length), torch.arange(keys)
+        for m, (q, n, c, ctx) in enumerate(group):
+            q_index.append(torch.where(i < n, q + i, 0))
+            k_index.append(torch.where(k < ctx, c + k, torch.where(k - ctx < n, q + k - ctx, 0)))
+            for j in range(n):
+                out_at[q + j] = rows + m * length + j
+        allowed = torch.stack([(k[None] < ctx) | ((k[None] - ctx <= i[:, None]) & (k[None] - ctx < n))
+                               for _, n, _, ctx in group])[:, None]
+        mask = allowed if keys >= sdpa_from else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, :, None]
+        buckets.append(_Bucket(len(group), length, keys, keys >= sdpa_from, mask.to(device)))
+        rows += len(group) * length
+    out_index = torch.tensor([out_at[t] for t in range(segments.width)])
+    return _Plan(tuple(buckets), torch.cat(q_index).to(device), torch.cat(k_index).to(device), out_index.to(device))
+
+
+def _matmul_bucket(bucket: _Bucket, q: Tensor, k: Tensor, v: Tensor, scaling: float, dropout: float) -> Tensor:
+    """A bucket of short products: two matmuls and an fp32 softmax (as transformers' eager attention),
+    GQA as the rows of one matmul per KV head. Shapes: q (Hq, M·L, D); k, v (Hkv, M·S, D) → (Hq, M·L, D)."""
+    m, length, keys = bucket.m, bucket.length, bucket.keys
+    hq, _, d = q.shape
+    hkv = k.shape[0]
     group = hq // hkv
-    real = attention_mask.reshape(rows, width)
-    dev, f32 = query.device, torch.float32
-    q = query.view(rows, hkv, group, width, d)
+    q = q.view(hkv, group, m, length, d).permute(2, 0, 1, 3, 4).reshape(m, hkv, group * length, d)
+    k, v = (t.view(hkv, m, keys, d).transpose(0, 1) for t in (k, v))                    # (M, Hkv, S, D)
+    scores = torch.matmul(q, k.transpose(-1, -2)).view(m, hkv, group, length, keys)
+    probs = torch.softmax(scores.float() * scaling + bucket.mask, dim=-1).to(v.dtype)
+    if dropout > 0:
+        probs = F.dropout(probs, p=dropout, training=True)
+    out = torch.matmul(probs.view(m, hkv, group * length, keys), v)                     # (M, Hkv, g·L, D)
+    return out.view(m, hq, length, d).transpose(0, 1).reshape(hq, m * length, d)
 
-    # prefix × prefix: causal; a pad (left padding) sees only itself, so no softmax row is empty
-    causal_p = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
-    allowed = (causal_p & real[:, None, :p]) | (torch.eye(p, dtype=torch.bool, device=dev) & ~real[:, :p, None])
-    kp, vp = key[:, :, :p], value[:, :, :p]                                             # (R, Hkv, P, D)
-    if p >= SDPA_FROM:
-        out_p = _sdpa(query[:, :, :p], kp, vp, allowed[:, None], scaling, dropout, module.training)  # (R, Hq, P, D)
-    else:
-        bias_p = torch.zeros(allowed.shape, dtype=f32, device=dev).masked_fill_(~allowed, float("-inf"))  # (R, P, P)
-        sp = torch.matmul(q[..., :p, :], kp[:, :, None].transpose(-1, -2))              # (R, Hkv, g, P, P)
-        out_p = torch.matmul(_softmax_probs(sp, bias_p[:, None, None], scaling, value.dtype, dropout, module.training),
-                             vp[:, :, None])                                             # (R, Hkv, g, P, D)
 
-    # slot j × [prefix | slot j]: prefix pads masked, own tokens causal (a slot's right padding is
-    # never seen by its real tokens; its own outputs are not read)
-    causal_n = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-    allowed_s = torch.cat([real[:, None, :p].expand(rows, n, p), causal_n.expand(rows, n, n)], dim=-1)  # (R, N, P + N)
-    if p + n >= SDPA_FROM:  # each slot a batch entry: (R·G, Hq, N, D) over its (R·G, Hkv, P + N, D) keys
-        qs = query[:, :, p:].reshape(rows, hq, g, n, d).transpose(1, 2).reshape(rows * g, hq, n, d)
-        own = lambda t: t[:, :, p:].reshape(rows, hkv, g, n, d).transpose(1, 2)         # (R, G, Hkv, N, D)
-        ks, vs = (torch.cat([t[:, None, :, :p].expand(rows, g, hkv, p, d), own(t)], dim=3).reshape(rows * g, hkv, p + n, d)
-                  for t in (key, value))
-        mask = allowed_s[:, None, None].expand(rows, g, 1, n, p + n).reshape(rows * g, 1, n, p + n)
-        out_s = _sdpa(qs, ks, vs, mask, scaling, dropout, module.training)               # (R·G, Hq, N, D)
-        out_s = out_s.reshape(rows, g, hq, n, d).transpose(1, 2)                         # (R, Hq, G, N, D)
-    else:  # GQA: the query heads of one KV head are the rows of one matmul
-        qs = q[..., p:, :].reshape(rows, hkv, group, g, n, d).transpose(2, 3).reshape(rows, hkv, g, group * n, d)
-        own = lambda t: t[:, :, p:].reshape(rows, hkv, g, n, d)                         # (R, Hkv, G, N, D)
-        ks = torch.cat([kp[:, :, None].expand(rows, hkv, g, p, d), own(key)], dim=3)     # (R, Hkv, G, P + N, D)
-        vs = torch.cat([vp[:, :, None].expand(rows, hkv, g, p, d), own(value)], dim=3)
-        bias_s = torch.zeros(allowed_s.shape, dtype=f32, device=dev).masked_fill_(~allowed_s, float("-inf"))
-        ss = torch.matmul(qs, ks.transpose(-1, -2)).view(rows, hkv, g, group, n, p + n)
-        probs = _softmax_probs(ss, bias_s[:, None, None, None], scaling, value.dtype, dropout, module.training)
-        out_s = torch.matmul(probs.view(rows, hkv, g, group * n, p + n), vs)             # (R, Hkv, G, g·N, D)
-        out_s = out_s.view(rows, hkv, g, group, n, d).transpose(2, 3)                    # (R, Hkv, g, G, N, D)
+def _sdpa_bucket(bucket: _Bucket, q: Tensor, k: Tensor, v: Tensor, scaling: float, dropout: float) -> Tensor:
+    """A bucket of long products through fused SDPA (GQA without repeated keys). Shapes as `_matmul_bucket`'s."""
+    m, length, keys = bucket.m, bucket.length, bucket.keys
+    hq, _, d = q.shape
+    q = q.view(hq, m, length, d).transpose(0, 1)
+    k, v = (t.view(t.shape[0], m, keys, d).transpose(0, 1) for t in (k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scaling, dropout_p=dropout,
+                                         enable_gqa=True)                              # (M, Hq, L, D)
+    return out.transpose(0, 1).reshape(hq, m * length, d)
 
-    out = torch.cat([out_p.reshape(rows, hq, p, d), out_s.reshape(rows, hq, g * n, d)], dim=2)  # (R, Hq, W, D)
-    return out.transpose(1, 2).contiguous(), None
+
+def shared_prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                            scaling: float, dropout: float = 0.0, *, segments: Segments, **kwargs) -> tuple[Tensor, None]:
+    """The attention function (transformers' signature). Shapes: query (1, Hq, T, D); key, value
+    (1, Hkv, T, D) with T = segments.width. Returns (1, T, Hq, D) and no weights."""
+    rows, _, width, _ = query.shape
+    if rows != 1 or width != segments.width:
+        raise ValueError(f"shared_prefix_attention: expected one packed row of {segments.width} columns "
+                         f"(the segments' width), got {rows} × {width}")
+    plan = _plan(segments, SDPA_FROM, PAD_BUDGET, query.device)
+    drop = dropout if module.training else 0.0
+    qs = query[0][:, plan.q_index].split([b.m * b.length for b in plan.buckets], dim=1)
+    ks, vs = (t[0][:, plan.k_index].split([b.m * b.keys for b in plan.buckets], dim=1) for t in (key, value))
+    outs = [(_sdpa_bucket if b.sdpa else _matmul_bucket)(b, q, k, v, scaling, drop)
+            for b, q, k, v in zip(plan.buckets, qs, ks, vs)]
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]                            # (Hq, Σ M·L, D)
+    return out[:, plan.out_index].transpose(0, 1)[None].contiguous(), None
 
 
 AttentionInterface.register(NAME, shared_prefix_attention)
@@ -130,7 +192,7 @@ AttentionInterface.register(NAME, shared_prefix_attention)
 @contextmanager
 def shared_prefix(model: nn.Module) -> Iterator[None]:
     """Run `model`'s attention through `shared_prefix_attention` inside the block (its forward must then
-    get `prefix_len=`, `slots=` and the (R, 1, 1, W) key mask). Autograd's backward needs no switch."""
+    get `segments=` and a (1, 1, 1, T) mask). Autograd's backward needs no switch."""
     config = model.config
     before = config._attn_implementation
     config._attn_implementation = NAME

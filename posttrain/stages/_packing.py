@@ -7,24 +7,19 @@ each exact up to float rounding (tests/test_pref_packing.py checks both against 
 1. Packing (`sequence_logps`): sequences are laid end to end in rows (first-fit decreasing, rows of
    ≤ `row_len` tokens); position ids restart at 0 for each sequence, which is how transformers 5
    selects its block-diagonal packed-sequence mask (attention_mask=None, no cache). No padding.
-2. Shared prompt (`pair_logps`): each pair is laid out [prompt | reply a | reply b] with an explicit
-   4-D mask — reply b attends to the prompt and to itself, never to reply a — and reply b's positions
-   continue from the prompt, so every token sees exactly the context it has in its own sequence. The
-   first token of reply b is predicted from the prompt's last position, not from its left neighbour.
-   A pair costs P + A + B tokens instead of 2P + A + B (the prompt is ~40% of a world pair).
+2. Shared prompt (`shared_prompt_logprobs`): the replies to one prompt — a DPO pair's two (`pair_logps`),
+   a GRPO group's G completions — are [prompt | r_1 | … | r_G], every reply at its own length and every
+   group packed into one row without padding, run through `models.prefix_attention` (each reply attends
+   to its prompt and causally to itself, never to another reply; its positions continue from the
+   prompt, so every token sees exactly the context it has in its own sequence; only the blocks read are
+   computed). A group costs P + Σ_j (n_j − 1) tokens instead of G·(P + N) (a reply's last token predicts
+   nothing and only it would attend to itself, so it is no input; its first is predicted from the
+   prompt's last position). Logits are computed only where they predict a reply token.
 
-3. Shared prompt per GRPO group (`shared_prompt_logits`): a group of G completions of one prompt is one
-   row [prompt | c_1 | … | c_G] with the completions in slots of equal width, run through
-   `models.prefix_attention` (each slot attends to the prompt and to itself; only those blocks are
-   computed). A group costs P + G·(N − 1) tokens instead of G·(P + N) (the last completion column
-   predicts nothing and only it would attend to itself, so it is no input).
-
-Cost notes: in 1 and 2 attention is dense within a row (≤ row_len² per head), a small price next to the
-matmuls saved at these lengths; the 4-D boolean mask is (R, 1, W, W). With G slots that price grows as
-G² (measured: no net gain at G = 8), hence the block kernel of 3 — which 2 also takes for pairs longer
-than a row (`pair_logps_blocks`: a pair is a group of two; measured, tiny-30m bf16 forward + backward of
-8 pairs of 64 + 192 + 192 tokens, 1 thread: 5.39 s against 6.76 for the dense mask through SDPA and 6.83
-for the 16 padded sequences; docs/performance.md).
+Cost notes: in 1 attention is dense within a row (≤ row_len² per head), a small price next to the
+matmuls saved at SFT lengths. Measured against the dense-mask pair layout this replaced (tiny-30m, bf16
+autocast, forward + backward of 8 pairs, 1 thread, the two interleaved in one process): 15 + 47 + 47
+tokens 1.24 s against 1.84; docs/performance.md.
 """
 
 from __future__ import annotations
@@ -35,8 +30,8 @@ import torch
 from torch import Tensor
 
 from posttrain.data import EncodedCompletion, collate_sft
-from posttrain.losses import sequence_logprob_mean, sequence_logprob_sum, token_logprobs
-from posttrain.models.prefix_attention import shared_prefix
+from posttrain.losses import entropy_from_logits, sequence_logprob_mean, sequence_logprob_sum, token_logprobs
+from posttrain.models.prefix_attention import Segments, shared_prefix
 from posttrain.rollout.text import positions_from_mask
 
 
@@ -122,103 +117,14 @@ def sequence_logps(model, seqs: list[EncodedCompletion], pad_id: int, *, length_
     return _reduce(logps, keep, segment[:, 1:], len(seqs), length_normalized)
 
 
-class PackedPairs(NamedTuple):
-    """Pairs laid out [prompt | a | b] in rows. Shapes: (R, W) unless noted."""
-
-    input_ids: Tensor
-    position_ids: Tensor
-    attention: Tensor  # (R, 1, W, W) bool: True where query q may attend key k
-    targets: Tensor  # the token each position's label asks for (-100: none)
-    source: Tensor  # the position whose logits predict it
-    segment: Tensor  # 2·pair + (0 for a, 1 for b); -1 elsewhere
-
-
-def pack_pairs(pairs: list[tuple[EncodedCompletion, EncodedCompletion]], pad_id: int, row_len: int) -> PackedPairs:
-    """Lay each (a, b) pair — two encodings of one prompt — out as [prompt | a's reply | b's reply]."""
-    spans = []
-    for k, (a, b) in enumerate(pairs):
-        p = a.prompt_len
-        if b.prompt_len != p or a.input_ids[:p] != b.input_ids[:p]:
-            raise ValueError(f"pack_pairs: pair {k} ({a.origin or 'no origin'}) does not share its prompt tokens")
-        spans.append((p, len(a.input_ids) - p, len(b.input_ids) - p))
-    lengths = [p + na + nb for p, na, nb in spans]
-    rows = first_fit(lengths, max(row_len, max(lengths)))
-    width = max(sum(lengths[i] for i in row) for row in rows)
-    shape = (len(rows), width)
-    ids = torch.full(shape, pad_id, dtype=torch.long)
-    positions = torch.zeros(shape, dtype=torch.long)
-    targets = torch.full(shape, -100, dtype=torch.long)
-    source = torch.zeros(shape, dtype=torch.long)
-    segment = torch.full(shape, -1, dtype=torch.long)
-    group = torch.full(shape, -1, dtype=torch.long)  # which pair a token belongs to (-1: padding)
-    is_b = torch.zeros(shape, dtype=torch.bool)
-    is_a = torch.zeros(shape, dtype=torch.bool)
-    for r, members in enumerate(rows):
-        at = 0
-        for k in members:
-            a, b = pairs[k]
-            p, na, nb = spans[k]
-            a_at, b_at = at + p, at + p + na
-            ids[r, at:b_at] = torch.tensor(a.input_ids)
-            ids[r, b_at : b_at + nb] = torch.tensor(b.input_ids[p:])
-            positions[r, at:b_at] = torch.arange(p + na)
-            positions[r, b_at : b_at + nb] = torch.arange(p, p + nb)
-            targets[r, a_at:b_at] = torch.tensor(a.labels[p:])
-            targets[r, b_at : b_at + nb] = torch.tensor(b.labels[p:])
-            source[r, at : at + p + na + nb] = torch.arange(at - 1, at + p + na + nb - 1)
-            source[r, b_at] = a_at - 1  # b's first token is predicted from the prompt's last position
-            segment[r, a_at:b_at] = 2 * k
-            segment[r, b_at : b_at + nb] = 2 * k + 1
-            group[r, at : b_at + nb] = k
-            is_a[r, a_at:b_at] = True
-            is_b[r, b_at : b_at + nb] = True
-            at += p + na + nb
-    causal = torch.ones(width, width, dtype=torch.bool).tril()  # (W, W) k ≤ q
-    same = group[:, :, None] == group[:, None, :]  # (R, W, W)
-    b_sees_a = is_b[:, :, None] & is_a[:, None, :]
-    real = group >= 0
-    attention = causal & same & ~b_sees_a & real[:, :, None]
-    attention |= torch.eye(width, dtype=torch.bool) & ~real[:, :, None]  # padding attends to itself (no empty row)
-    return PackedPairs(ids, positions, attention[:, None], targets, source.clamp_min(0), segment)
-
-
-def custom_mask(model, allowed: Tensor) -> Tensor:
-    """A 4-D mask (True = may attend) in the form the model's attention kernels read: transformers 5
-    passes a 4-D mask through unchanged, SDPA reads booleans, eager attention *adds* the mask to the
-    scores, so it gets 0 / the dtype's minimum instead (a boolean would add 1 or 0)."""
-    if getattr(model.config, "_attn_implementation", "sdpa") != "eager":
-        return allowed
-    return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill_(
-        ~allowed, torch.finfo(torch.float32).min)
-
-
 def pair_logps(model, pairs: list[tuple[EncodedCompletion, EncodedCompletion]], pad_id: int, *,
-               length_normalized: bool, row_len: int = 192) -> tuple[Tensor, Tensor]:
+               length_normalized: bool) -> tuple[Tensor, Tensor]:
     """log π of both replies of each pair, from one shared-prompt forward. Shapes: (B,), (B,).
 
-    Pairs that fit several to a row (short pairs, ≤ `row_len` tokens) are packed under a dense mask
-    (`pack_pairs`); when every pair is longer — each would be alone in its row anyway — the pairs go
-    through the shared-prefix kernel instead (`pair_logps_blocks`), which computes only the attention
-    blocks each reply reads and holds no W × W mask."""
-    if min(len(a.input_ids) + len(b.input_ids) - a.prompt_len for a, b in pairs) > row_len:
-        return pair_logps_blocks(model, pairs, pad_id, length_normalized=length_normalized)
-    device = next(model.parameters()).device
-    pk = PackedPairs(*(t.to(device) for t in pack_pairs(pairs, pad_id, row_len)))
-    logits = model(input_ids=pk.input_ids, position_ids=pk.position_ids, attention_mask=custom_mask(model, pk.attention),
-                   use_cache=False).logits  # (R, W, V)
-    keep = pk.targets != -100
-    rows = torch.arange(logits.shape[0], device=device)[:, None].expand_as(pk.source)
-    picked = logits[rows, pk.source]  # (R, W, V): the logits that predict each position
-    logps = token_logprobs(picked, pk.targets.clamp_min(0))  # (R, W)
-    both = _reduce(logps, keep, pk.segment, 2 * len(pairs), length_normalized)  # (2B,) a0, b0, a1, b1, …
-    return both[0::2], both[1::2]
-
-
-def pair_logps_blocks(model, pairs: list[tuple[EncodedCompletion, EncodedCompletion]], pad_id: int, *,
-                      length_normalized: bool) -> tuple[Tensor, Tensor]:
-    """`pair_logps` as a group of two: each pair's replies are the two slots of one [prompt | a | b] row
-    of `shared_prompt_logits` (prompts left-padded to the longest, replies right-padded), consecutive
-    pairs with the same prompt sharing one row. Shapes: (B,), (B,)."""
+    A pair is a group of two: its prompt once and its two replies, each at its own length, every pair in
+    `pack_groups`' one row without padding (`shared_prompt_logprobs`; consecutive pairs with the same
+    prompt share it), through the shared-prefix kernel, which computes only the attention blocks each
+    reply reads."""
     device = next(model.parameters()).device
     p = max(a.prompt_len for a, _ in pairs)
     n = max(len(x.input_ids) - x.prompt_len for pair in pairs for x in pair)
@@ -235,76 +141,125 @@ def pair_logps_blocks(model, pairs: list[tuple[EncodedCompletion, EncodedComplet
             real[r, p - q : p + m] = True
             targets[r, :m] = torch.tensor(x.labels[q:])
     ids, real, targets = ids.to(device), real.to(device), targets.to(device)
-    logits = shared_prompt_logits(model, ids, real, positions_from_mask(real), p, pad_id)  # (2B, N, V)
-    keep = targets != -100
-    logps = token_logprobs(logits, targets.clamp_min(0))  # (2B, N)
+    logps = shared_prompt_logprobs(model, ids, real, positions_from_mask(real), p)  # (2B, N): the reply tokens
+    keep = targets != -100  # a label is its token or -100 (not in the loss)
     segment = torch.arange(shape[0], device=device)[:, None].expand_as(targets)
     both = _reduce(logps, keep, segment, shape[0], length_normalized)  # (2B,) a0, b0, a1, b1, …
     return both[0::2], both[1::2]
 
 
 # ---- GRPO groups: one prompt, G completions -----------------------------------------------------------
-class GroupRows(NamedTuple):
-    """Groups laid out for `shared_prefix_attention`: one row per group, the prompt once (P columns,
-    left-padded), then `slots` slots of N columns (the completions, right-padded). Shapes: (R, P + slots·N)
-    unless noted."""
+class PackedGroups(NamedTuple):
+    """Groups packed into one row for `shared_prefix_attention`: each group's prompt once, then each of its
+    completions at its own length (the inputs that predict its tokens 1 …; token 0 is predicted by the
+    prompt's last column). No padding anywhere. T columns; M completion tokens in the batch."""
 
-    input_ids: Tensor
-    position_ids: Tensor
-    key_mask: Tensor   # (R, 1, 1, P + slots·N) bool: a real token
-    row: Tensor        # (B,) the packed row of sequence b
-    slot: Tensor       # (B,) its slot in that row
-    prefix_len: int
-    slots: int
+    input_ids: Tensor     # (1, T)
+    position_ids: Tensor  # (1, T) as the rollout used them: a slot continues from its prompt's length
+    segments: Segments
+    keep: Tensor          # (K,) the columns whose logits are needed: every prompt's last (first), then every slot column
+    first: Tensor         # (B',) for each sequence with a completion, the index into `keep` of its prompt's last column
+    seq: Tensor           # (M,) the sequence of each completion token, sequence-major
+    pos: Tensor           # (M,) its column in the completion
 
 
-def group_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, pad_id: int) -> GroupRows:
-    """Consecutive sequences with the same prompt share one copy of it. Input: the padded batch
-    (B, P + N) — left-padded prompt, right-padded completion, positions as the rollout used them — so
-    every completion keeps its positions (continuing from its prompt) and its context. A group smaller
-    than the largest leaves empty slots (all padding: computed, never read)."""
-    p = prompt_len
+def _group_starts(input_ids: Tensor, attention_mask: Tensor, p: int) -> list[tuple[int, int]]:
+    """(first row, size) of each run of consecutive rows with the same prompt (tokens and mask)."""
     prompts, p_mask = input_ids[:, :p], attention_mask[:, :p]
     same = (prompts[1:] == prompts[:-1]).all(1) & (p_mask[1:] == p_mask[:-1]).all(1)   # (B - 1,)
     starts = [0] + (same.logical_not().nonzero()[:, 0] + 1).tolist()
-    sizes = [b - a for a, b in zip(starts, starts[1:] + [len(input_ids)])]
-    g, n, rows = max(sizes), input_ids.shape[1] - p, len(starts)
-    width = p + g * n
-    ids = torch.full((rows, width), pad_id, dtype=input_ids.dtype, device=input_ids.device)
-    positions = torch.ones((rows, width), dtype=position_ids.dtype, device=input_ids.device)
-    real = torch.zeros((rows, width), dtype=torch.bool, device=input_ids.device)
-    for r, (a, size) in enumerate(zip(starts, sizes)):
-        for dst, src in ((ids, input_ids), (positions, position_ids), (real, attention_mask)):
-            dst[r, :p] = src[a, :p]
-            dst[r, p : p + size * n] = src[a : a + size, p:].reshape(-1)
-    row = torch.repeat_interleave(torch.arange(rows), torch.tensor(sizes))
-    slot = torch.cat([torch.arange(size) for size in sizes])
-    return GroupRows(ids, positions, real[:, None, None], row.to(input_ids.device), slot.to(input_ids.device), p, g)
+    return [(a, b - a) for a, b in zip(starts, starts[1:] + [len(input_ids)])]
 
 
-def slot_width(n: int) -> int:
-    """Columns per slot for completions of n columns: the last is no input (it predicts nothing), but a
-    slot keeps at least one."""
-    return max(n - 1, 1)
+def _completion_lengths(attention_mask: Tensor, p: int) -> Tensor:
+    """Real completion tokens per row of a (B, P + N) mask whose completions are right-padded. Shape: (B,)."""
+    comp = attention_mask[:, p:]
+    lengths = comp.sum(1)
+    if not torch.equal(comp, torch.arange(comp.shape[1], device=comp.device)[None] < lengths[:, None]):
+        raise ValueError("shared prompt: completions must be right-padded (real tokens first, then padding)")
+    return lengths
 
 
-def shared_prompt_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int,
-                         pad_id: int) -> Tensor:
-    """Logits predicting every completion token of the padded batch (B, P + N), from one forward per group
-    (`group_rows`, `shared_prefix_attention`). Shape: (B, N, V); rows past a completion's end are filler.
+def packed_width(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> int:
+    """Columns of `pack_groups`' row for this batch: every prompt once, every completion less its last token."""
+    prompts = sum(int(attention_mask[a, :prompt_len].sum()) for a, _ in _group_starts(input_ids, attention_mask, prompt_len))
+    return prompts + int((_completion_lengths(attention_mask, prompt_len) - 1).clamp_min(0).sum())
 
-    The last completion column is not an input: it predicts nothing and only it would attend to itself,
-    so each slot holds N − 1 tokens (exact; 1/N fewer slot tokens through every matmul)."""
-    n = input_ids.shape[1] - prompt_len
-    _require_completion(n)
-    w = slot_width(n)
-    cut = slice(None, prompt_len + w)
-    lay = group_rows(input_ids[:, cut], attention_mask[:, cut], position_ids[:, cut], prompt_len, pad_id)
+
+def pack_groups(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int) -> PackedGroups:
+    """Consecutive sequences with the same prompt share one copy of it. Input: the padded batch (B, P + N) —
+    left-padded prompt, right-padded completion, positions as the rollout used them — so every completion
+    keeps its positions (continuing from its prompt) and its context. A completion's last token is no
+    input (it predicts nothing and nothing attends to it): a slot holds n − 1 columns."""
+    p = prompt_len
+    lengths = _completion_lengths(attention_mask, p).tolist()
+    groups = _group_starts(input_ids, attention_mask, p)
+    ids, positions, prefixes, slots, slot_cols = [], [], [], [], []
+    first, seq, pos = [], [], []
+    at = k = 0  # the next column of the row; the next index into the slot part of `keep`
+    for g, (a, size) in enumerate(groups):
+        real = attention_mask[a, :p]
+        plen = int(real.sum())
+        if plen == 0 and any(lengths[a : a + size]):
+            raise ValueError(f"shared prompt: sequence {a} has an empty prompt (its first token has nothing to be predicted from)")
+        ids.append(input_ids[a, :p][real])
+        positions.append(position_ids[a, :p][real])
+        prefixes.append((at, plen))
+        at += plen
+        group = []
+        for b in range(a, a + size):
+            m = lengths[b]
+            if m == 0:
+                continue
+            first.append(g)
+            seq.append(torch.full((m,), b))
+            pos.append(torch.arange(m))
+            if m > 1:
+                ids.append(input_ids[b, p : p + m - 1])
+                positions.append(position_ids[b, p : p + m - 1])
+                group.append((at, m - 1))
+                slot_cols.append(torch.arange(at, at + m - 1))
+                at += m - 1
+        slots.append(tuple(group))
+    if not seq:
+        raise ValueError("completion logits: the batch has no completion tokens")
+    lasts = torch.tensor([a + n - 1 for a, n in prefixes])
+    keep = torch.cat([lasts, *slot_cols])
+    dev = input_ids.device
+    return PackedGroups(torch.cat(ids)[None], torch.cat(positions)[None], Segments(tuple(prefixes), tuple(slots)),
+                        keep.to(dev), torch.tensor(first, device=dev), torch.cat(seq).to(dev), torch.cat(pos).to(dev))
+
+
+def shared_prompt_logprobs(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, *,
+                           entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """log π of every completion token of the padded batch (B, P + N), from one forward over `pack_groups`'
+    row through `shared_prefix_attention`. Shape: (B, N) fp32, 0 past a completion's end. With `entropy`,
+    also the entropy of each of those predictions, (B, N), detached.
+
+    Logits are computed only where they predict a completion token (each prompt's last column and every
+    slot column, `logits_to_keep`), and log-probs straight from them: no (B, N, V) tensor is built."""
+    lay = pack_groups(input_ids, attention_mask, position_ids, prompt_len)
+    width = lay.input_ids.shape[1]
     with shared_prefix(model):
-        logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids, attention_mask=lay.key_mask,
-                       prefix_len=lay.prefix_len, slots=lay.slots, logits_to_keep=lay.slots * w + 1,
-                       use_cache=False).logits  # (R, slots·w + 1, V): columns P − 1 … W − 1
-    # completion token t of slot j is predicted by column P − 1 (t = 0) or P + j·w + t − 1: kept index j·w + t
-    t = torch.arange(n, device=logits.device)
-    col = torch.where(t == 0, 0, lay.slot[:, None] * w + t)                               # (B, N)
-    return logits[lay.row[:, None], col]
+        logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids,
+                       attention_mask=torch.ones((1, 1, 1, width), dtype=torch.bool, device=input_ids.device),
+                       segments=lay.segments, logits_to_keep=lay.keep, use_cache=False).logits[0]  # (K, V)
+    groups = len(lay.segments.prefixes)
+    completions = input_ids[:, prompt_len:]
+    at_first = lay.pos == 0
+    first_tokens = completions[lay.seq[at_first], 0]                       # (B',)
+    rest = completions[lay.seq[~at_first], lay.pos[~at_first]]              # (M − B',) in slot-column order
+    lp_first = token_logprobs(logits[:groups][lay.first], first_tokens)
+    lp_rest = token_logprobs(logits[groups:], rest)
+    shape = completions.shape
+    out = torch.zeros(shape, dtype=lp_first.dtype, device=logits.device)
+    out = out.index_put((lay.seq[at_first], lay.pos[at_first]), lp_first)
+    out = out.index_put((lay.seq[~at_first], lay.pos[~at_first]), lp_rest)
+    if not entropy:
+        return out
+    with torch.no_grad():
+        ent = entropy_from_logits(logits.detach())                         # (K,)
+        h = torch.zeros(shape, dtype=ent.dtype, device=ent.device)
+        h[lay.seq[at_first], lay.pos[at_first]] = ent[:groups][lay.first]
+        h[lay.seq[~at_first], lay.pos[~at_first]] = ent[groups:]
+    return out, h

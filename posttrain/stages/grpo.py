@@ -106,7 +106,7 @@ from posttrain.stages._rlvr import (
 )
 from posttrain.stages._learned_reward import resolve_policy
 from posttrain.models.prefix_attention import shared_prefix
-from posttrain.stages._packing import padded_completion_logits, shared_prompt_logits, slot_width
+from posttrain.stages._packing import packed_width, padded_completion_logits, shared_prompt_logprobs
 from posttrain.stages._training import (
     Trainer,
     idle_micro_batches,
@@ -237,15 +237,31 @@ def episode_batch(episodes: list[Episode], advantages: Tensor, pad_id: int, *, m
                       advantages.float(), b.prompt_len)
 
 
-def completion_logits(model: torch.nn.Module, b: GroupBatch, *, share_prompt: bool = False, pad_id: int = 0) -> Tensor:
-    """Logits predicting each completion token. Shape: (R, N, V).
+def completion_logprobs(model: torch.nn.Module, b: GroupBatch, *, share_prompt: bool = False,
+                        entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """log π of each completion token. Shape: (R, N) fp32 (filler past a completion's end); with
+    `entropy`, also each prediction's entropy, (R, N), detached.
 
-    share_prompt: one row per group of consecutive rows with the same prompt, the prompt once
-    (`_packing.group_rows`, `models.prefix_attention`); else the padded batch without its last column
-    (the last token predicts nothing and nothing attends to it)."""
+    share_prompt: each group of consecutive rows with the same prompt runs the prompt once and every
+    completion at its own length, all packed into one row (`_packing.shared_prompt_logprobs`,
+    `models.prefix_attention`); else the padded batch without its last column (the last token predicts
+    nothing and nothing attends to it)."""
     if share_prompt:
-        return shared_prompt_logits(model, b.input_ids, b.attention_mask, b.position_ids, b.prompt_len, pad_id)
-    return padded_completion_logits(model, b.input_ids, b.attention_mask, b.position_ids, b.mask.shape[1])
+        return shared_prompt_logprobs(model, b.input_ids, b.attention_mask, b.position_ids, b.prompt_len, entropy=entropy)
+    logits = padded_completion_logits(model, b.input_ids, b.attention_mask, b.position_ids, b.mask.shape[1])  # (R, N, V)
+    logps = token_logprobs(logits.float(), b.input_ids[:, b.prompt_len :])
+    if not entropy:
+        return logps
+    with torch.no_grad():
+        return logps, entropy_from_logits(logits.detach())
+
+
+def forward_shape(b: GroupBatch, *, share_prompt: bool) -> tuple[int, int]:
+    """(rows, columns) a forward over `b` runs, for the phase's cost: the padded batch less its last column,
+    or with share_prompt the packed row's real tokens as R rows of their mean length (exact matmul FLOPs)."""
+    if not share_prompt or len(b) == 0:
+        return len(b), b.input_ids.shape[1] - 1
+    return len(b), math.ceil(packed_width(b.input_ids, b.attention_mask, b.prompt_len) / len(b))
 
 
 @dataclass
@@ -354,7 +370,7 @@ def micro_rows(cfg: GRPOStage, ranks: World, rows: int) -> int:
 
 
 def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps: Tensor | None, variant: LossVariant,
-           clip: tuple[float, float], pad_id: int = 0, prox: list[Tensor] | None = None) -> dict[str, float]:
+           clip: tuple[float, float], prox: list[Tensor] | None = None) -> dict[str, float]:
     """One optimizer step over the whole batch in `grad_accum` micro-batches; exact accumulation
     (normalizers counted over the whole batch — every rank's rows — first).
 
@@ -378,8 +394,7 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
         micro_batch_sync(t, j, count)
         mb, sl = b.rows(slice(i, i + micro)), slice(i, i + micro)
         with ctx.autocast():
-            logits = completion_logits(t.model, mb, share_prompt=cfg.share_prompt, pad_id=pad_id)  # (r, N, V)
-        logps = token_logprobs(logits.float(), mb.input_ids[:, mb.prompt_len :])            # (r, N)
+            logps, ent = completion_logprobs(t.model, mb, share_prompt=cfg.share_prompt, entropy=True)  # (r, N) each
         ref = None if ref_logps is None else ref_logps[sl]
         share = float(mb.mask.sum()) / tokens  # stats are token means of the micro-batch: weight by tokens
         if prox is None:
@@ -401,7 +416,6 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
         with shared_prefix(t.model) if cfg.share_prompt and cfg.activation_checkpointing else nullcontext():
             loss.backward()
         with torch.no_grad():
-            ent = entropy_from_logits(logits.detach())
             sums["entropy"] += float((ent * mb.mask).sum()) / tokens
             sums["kl"] += float(kl.sum()) / tokens
         f = stats.as_floats()
@@ -419,12 +433,10 @@ def update(ctx: RunContext, cfg: GRPOStage, t: Trainer, b: GroupBatch, ref_logps
 
 
 @torch.no_grad()
-def reference_logprobs(ref_model: torch.nn.Module, b: GroupBatch, micro: int, *, share_prompt: bool = False,
-                       pad_id: int = 0) -> Tensor:
+def reference_logprobs(ref_model: torch.nn.Module, b: GroupBatch, micro: int, *, share_prompt: bool = False) -> Tensor:
     """log π_ref of every completion token. Shape: (R, N)."""
-    out = [token_logprobs(completion_logits(ref_model, b.rows(slice(i, i + micro)), share_prompt=share_prompt,
-                                            pad_id=pad_id).float(),
-                          b.input_ids[i : i + micro, b.prompt_len :]) for i in range(0, len(b), micro)]
+    out = [completion_logprobs(ref_model, b.rows(slice(i, i + micro)), share_prompt=share_prompt)
+           for i in range(0, len(b), micro)]
     return torch.cat(out) if out else torch.zeros(b.mask.shape)  # no rows: a data-parallel rank with none
 
 
@@ -552,23 +564,18 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
                     for _ in range(cfg.mu):
                         next_step(t)
                 else:
-                    n = b.input_ids.shape[1] - b.prompt_len
-                    # the rows a forward runs (the last completion column is no input): padded (R, P + N − 1),
-                    # or with share_prompt one P + G·(N − 1) row per group
-                    shape = ((math.ceil(len(b) / cfg.group_size), b.prompt_len + cfg.group_size * slot_width(n))
-                             if cfg.share_prompt else (len(b), b.prompt_len + n - 1))
+                    shape = forward_shape(b, share_prompt=cfg.share_prompt)
                     micro = micro_rows(cfg, ctx.ranks, len(b))
                     ref_logps = None
                     if ref is not None:
                         with ctx.phase("reference", stage=stage, step=step,
                                        cost=costs.forward(ref.config, batch=shape[0], seq_len=shape[1])), ref() as ref_model:
-                            ref_logps = reference_logprobs(ref_model, b, micro, share_prompt=cfg.share_prompt,
-                                                           pad_id=engine.pad_id)
+                            ref_logps = reference_logprobs(ref_model, b, micro, share_prompt=cfg.share_prompt)
                     prox: list[Tensor] | None = [] if cfg.correction != "none" else None  # filled by the first pass
                     for it in range(cfg.mu):
                         with ctx.phase("update", stage=stage, step=step,
                                        cost=costs.train_step(t.model.config, batch=shape[0], seq_len=shape[1])):
-                            upd = update(ctx, cfg, t, b, ref_logps, variant, clip, engine.pad_id, prox)
+                            upd = update(ctx, cfg, t, b, ref_logps, variant, clip, prox)
                         metrics.update(upd if it == 0 else {k: upd[k] for k in ("clip/low", "clip/high", "clip/approx_kl",
                                                                                     "clip/ratio_max", "train/grad_norm")})
                         metrics.update(t.guard.metrics())
