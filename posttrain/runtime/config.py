@@ -222,7 +222,7 @@ class GRPOStage(TrainStage, AsyncRLFields):
     mask_truncated: bool = Field(False, description="leave samples cut by max_new_tokens out of the loss (DAPO overlong filtering)")
     backend: Literal["native", "hf", "vllm"] = Field("native", description="rollout engine (vllm: a CUDA GPU and the vllm extra; checked before the run starts)")
     release_rollout_memory: bool = Field(True, description="free the rollout engine's weight copies and decode forms before each update (the sync after it rebuilds them, as it must anyway): the update's memory peak holds none of them (docs/performance.md)")
-    share_prompt: bool = Field(True, description="update and reference forwards lay a group out as [prompt | c_1 | … | c_G], the prompt once (exact up to round-off; G·(P + N) → P + G·N tokens)")
+    share_prompt: bool = Field(True, description="update and reference forwards pack each group as [prompt | c_1 | … | c_G], the prompt once and every completion at its own length, no padding (exact up to round-off; G·(P + N) → P + Σ n_j tokens)")
     eval_problems: int = Field(100, gt=0, description="held-out problems per eval level for the in-stage greedy eval (eval_every)")
     env: EnvSpec | None = Field(None, description="multi-turn: each sample is an episode in this environment, max_new_tokens is per turn, the loss falls on the model's tokens only (docs/envs.md)")
 
