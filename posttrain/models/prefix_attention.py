@@ -61,8 +61,9 @@ NAME = "posttrain_shared_prefix"
 # keys per query at or above which a product goes through SDPA (docs above; the crossover measured by
 # benchmarks/prefix_attention.py on this project's CPU lies between 144 and 256 keys)
 SDPA_FROM = 256
-# padding (query × key elements) worth one more bucket: a bucket's fixed cost, about a dozen small ops per
-# layer, forward and backward, costs about as much as this many padded elements' attention work
+# padding (query × key elements) worth one more bucket: an estimate of a bucket's fixed cost (about a dozen
+# small ops per layer, forward and backward) in padded elements' attention work; 0 and 4,096 measured
+# within noise at GRPO and DPO shapes, no bucketing 1.4× slower at 512-token GRPO (docs/performance.md)
 PAD_BUDGET = 4096
 
 
