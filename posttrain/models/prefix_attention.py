@@ -112,32 +112,34 @@ def _plan(segments: Segments, sdpa_from: int, pad_budget: int, device: torch.dev
     # longest first, then greedily: a product joins the open bucket when the padding that adds costs less
     # than a bucket's fixed cost (`pad_budget` query × key elements), else it opens the next bucket
     products.sort(key=lambda x: (-x[1], -x[3]))
-    groups: list[list[tuple[int, int, int, int]]] = []
+    groups: list[tuple[list[tuple[int, int, int, int]], int]] = []  # (its products, its keys S)
     for x in products:
+        n, ctx = x[1], x[3]
         if groups:
-            group = groups[-1]
-            length, keys = group[0][1], max(ctx + n for _, n, _, ctx in group)
-            grown = (len(group) + 1) * length * max(keys, x[3] + x[1])
-            if grown - len(group) * length * keys - x[1] * (x[3] + x[1]) <= pad_budget:
-                group.append(x)
+            members, keys = groups[-1]
+            length, grown = members[0][1], max(keys, ctx + n)
+            if (len(members) + 1) * length * grown - len(members) * length * keys - n * (ctx + n) <= pad_budget:
+                members.append(x)
+                groups[-1] = (members, grown)
                 continue
-        groups.append([x])
-    buckets, q_index, k_index, out_at = [], [], [], {}
-    rows = 0
-    for group in groups:
-        length, keys = group[0][1], max(ctx + n for _, n, _, ctx in group)
+        groups.append(([x], ctx + n))
+    buckets, q_index, k_index, cols, rows = [], [], [], [], []
+    at = 0  # the first bucket row of the next product
+    for members, keys in groups:
+        length = members[0][1]
         i, k = torch.arange(length), torch.arange(keys)
-        for m, (q, n, c, ctx) in enumerate(group):
+        for q, n, c, ctx in members:
             q_index.append(torch.where(i < n, q + i, 0))
             k_index.append(torch.where(k < ctx, c + k, torch.where(k - ctx < n, q + k - ctx, 0)))
-            for j in range(n):
-                out_at[q + j] = rows + m * length + j
+            cols.append(q + torch.arange(n))
+            rows.append(at + torch.arange(n))
+            at += length
         allowed = torch.stack([(k[None] < ctx) | ((k[None] - ctx <= i[:, None]) & (k[None] - ctx < n))
-                               for _, n, _, ctx in group])[:, None]
+                               for _, n, _, ctx in members])[:, None]
         mask = allowed if keys >= sdpa_from else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, :, None]
-        buckets.append(_Bucket(len(group), length, keys, keys >= sdpa_from, mask.to(device)))
-        rows += len(group) * length
-    out_index = torch.tensor([out_at[t] for t in range(segments.width)])
+        buckets.append(_Bucket(len(members), length, keys, keys >= sdpa_from, mask.to(device)))
+    out_index = torch.empty(segments.width, dtype=torch.long)
+    out_index[torch.cat(cols)] = torch.cat(rows)
     return _Plan(tuple(buckets), torch.cat(q_index).to(device), torch.cat(k_index).to(device), out_index.to(device))
 
 

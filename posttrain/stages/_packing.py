@@ -196,7 +196,7 @@ def pack_groups(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
     groups = _group_starts(input_ids, attention_mask, p)
     ids, positions, prefixes, slots, slot_cols = [], [], [], [], []
     first, seq, pos = [], [], []
-    at = k = 0  # the next column of the row; the next index into the slot part of `keep`
+    at = 0  # the next column of the row
     for g, (a, size) in enumerate(groups):
         real = attention_mask[a, :p]
         plen = int(real.sum())
@@ -221,8 +221,7 @@ def pack_groups(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
                 slot_cols.append(torch.arange(at, at + m - 1))
                 at += m - 1
         slots.append(tuple(group))
-    if not seq:
-        raise ValueError("completion logits: the batch has no completion tokens")
+    _require_completion(len(seq))
     lasts = torch.tensor([a + n - 1 for a, n in prefixes])
     keep = torch.cat([lasts, *slot_cols])
     dev = input_ids.device
@@ -247,19 +246,16 @@ def shared_prompt_logprobs(model, input_ids: Tensor, attention_mask: Tensor, pos
     groups = len(lay.segments.prefixes)
     completions = input_ids[:, prompt_len:]
     at_first = lay.pos == 0
-    first_tokens = completions[lay.seq[at_first], 0]                       # (B',)
-    rest = completions[lay.seq[~at_first], lay.pos[~at_first]]              # (M − B',) in slot-column order
-    lp_first = token_logprobs(logits[:groups][lay.first], first_tokens)
-    lp_rest = token_logprobs(logits[groups:], rest)
-    shape = completions.shape
-    out = torch.zeros(shape, dtype=lp_first.dtype, device=logits.device)
-    out = out.index_put((lay.seq[at_first], lay.pos[at_first]), lp_first)
-    out = out.index_put((lay.seq[~at_first], lay.pos[~at_first]), lp_rest)
+    firsts = (lay.seq[at_first], lay.pos[at_first])      # (B',) each: every completion's token 0
+    rest = (lay.seq[~at_first], lay.pos[~at_first])      # (M − B',) each: its other tokens, in slot-column order
+    lp_first = token_logprobs(logits[:groups][lay.first], completions[firsts])
+    lp_rest = token_logprobs(logits[groups:], completions[rest])
+    out = torch.zeros(completions.shape, dtype=lp_first.dtype, device=logits.device)
+    out = out.index_put(firsts, lp_first).index_put(rest, lp_rest)
     if not entropy:
         return out
     with torch.no_grad():
         ent = entropy_from_logits(logits.detach())                         # (K,)
-        h = torch.zeros(shape, dtype=ent.dtype, device=ent.device)
-        h[lay.seq[at_first], lay.pos[at_first]] = ent[:groups][lay.first]
-        h[lay.seq[~at_first], lay.pos[~at_first]] = ent[groups:]
+        h = torch.zeros(completions.shape, dtype=ent.dtype, device=ent.device)
+        h[firsts], h[rest] = ent[:groups][lay.first], ent[groups:]
     return out, h
