@@ -4,17 +4,18 @@ Under bf16 autocast over fp32 weights, `transformers`' RMSNorm (Zhang & Sennrich
 `weight * x / sqrt(mean(x²) + eps)`) is six elementwise ops that each keep their operands for the
 backward — among them the normalized activation in fp32 — and its fp32 output is cast to bf16 again by
 every linear that reads it: three times before q/k/v, twice before gate/up, each cast its own copy kept
-for that linear's backward. `install(model)` replaces the forward of each such norm module by
-`_RMSNorm`: the same arithmetic in the same order (the forward is bit-identical to `transformers` + the
+for that linear's backward. `install(model)` routes each such norm module through `_RMSNorm` (by
+switching it to a subclass of its own class): the same arithmetic in the same order (the forward is bit-identical to `transformers` + the
 cast), one output in the autocast dtype that every reader shares, and only the input and one reciprocal
 RMS per row kept for the backward, which recomputes the rest.
 
-Measured (tiny-30m, 8 DPO pairs, forward + backward, bf16 autocast, 1 thread, the two alternated in one
-process): at 256 tokens 4.74 s against 5.00, at 64 1.10 against 1.15; the DPO stage's peak RSS at 64
-tokens 1,367–1,381 MiB against 1,464–1,476 (docs/performance.md, "The training forward").
+Measured (tiny-30m, bf16, 1 thread, before and after alternated, each in its own process): the DPO stage
+at 64-token pairs 1.35–1.38 → 1.19–1.20 s a step and 1,449–1,462 → 1,320–1,364 MiB peak; at 1,024-token
+pairs 8,366 → 6,375 MiB (two single runs, hours apart); the GRPO update at 32 tokens 0.97 → 0.90 s (docs/performance.md, "The fused
+RMSNorm").
 
 What it departs from: the backward's round-off (its gradients agree with `transformers`' to bf16
-round-off; in float64 to 1e-12, tests/test_models_fused_norm.py). What it leaves alone: a norm whose
+round-off; in float64 the formula's own autograd gradients to 1e-12, tests/test_models_fused_norm.py). What it leaves alone: a norm whose
 forward it does not reproduce exactly in fp32 (Gemma's `1 + weight`, a norm with a bias, anything new) —
 `install` checks each norm class against its own forward on a random input and keeps that class's forward
 when the two differ; outside autocast, or for an input that is not fp32 (Qwen3's q/k norms run on bf16
