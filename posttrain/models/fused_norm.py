@@ -25,10 +25,11 @@ projections), every replaced norm calls its own forward.
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 from torch import Tensor, nn
+
+from posttrain.models import _fused
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -95,29 +96,10 @@ def _forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
         return rms_norm(hidden_states, self.weight, _eps(self), torch.get_autocast_dtype(device))
 
 
-@functools.cache
-def _fused_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """`cls` with `_forward` as its forward. A subclass, not an instance attribute: `transformers` re-kernelizes
-    its hub-decorated norms on every `train()`/`eval()` and drops any forward set on the instance."""
-    return type(cls.__name__, (cls,), {"forward": _forward, "_unfused_forward": cls.forward, "_fused_norm": True,
-                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-
-
 def install(model: nn.Module) -> int:
-    """Route every RMSNorm of `model` that `_RMSNorm` reproduces through it (each module's own forward
-    otherwise). Idempotent. Returns how many modules were switched."""
-    verdict: dict[type, bool] = {}
-    switched = 0
-    for module in model.modules():
-        if getattr(module, "_fused_norm", False) or not _candidate(module):
-            continue
-        cls = type(module)
-        if cls not in verdict:
-            verdict[cls] = _reproduces(module)
-        if verdict[cls]:
-            module.__class__ = _fused_class(cls)
-            switched += 1
-    return switched
+    """Route every RMSNorm of `model` that `_RMSNorm` reproduces through it (each module's own forward otherwise).
+    Idempotent. Returns how many modules were switched."""
+    return _fused.install(model, marker="_fused_norm", forward=_forward, candidate=_candidate, reproduces=_reproduces)
 
 
 def is_fused(module: nn.Module) -> bool:
