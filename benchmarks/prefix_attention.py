@@ -1,5 +1,6 @@
-"""The shared-prefix attention kernel's two ways of computing its products, side by side: matmuls with a
-kept fp32 softmax, and fused SDPA under a boolean mask (posttrain/models/prefix_attention.py).
+"""The shared-prefix attention kernel's three ways of computing its products, side by side: matmuls with a
+kept fp32 softmax, fused SDPA under a boolean mask, and fused SDPA over causal squares [prompt | slot]
+with no mask (posttrain/models/prefix_attention.py).
 
 One attention call, forward + backward, bf16, the shapes of tiny-30m (8 query heads, 4 KV heads, head
 dim 64): GRPO groups (2 rows × G 8, 16-token prompt, N-token slots) and DPO pairs (8 pairs as groups of
@@ -35,8 +36,9 @@ class _Module:
 
 
 def call(way: str, rows: int, slots: int, prefix: int, n: int, reps: int = 1) -> list[float]:
-    """CPU seconds of `reps` forward + backward calls, `way` forced through the threshold."""
-    prefix_attention.SDPA_FROM = 1 if way == "sdpa" else 10**9
+    """CPU seconds of `reps` forward + backward calls, `way` forced through the thresholds."""
+    prefix_attention.SDPA_FROM = 10**9 if way == "matmul" else 1
+    prefix_attention.CAUSAL_FROM = 1 if way == "causal" else 10**9
     group = prefix + slots * n
     segments = prefix_attention.Segments(
         prefixes=tuple((r * group, prefix) for r in range(rows)),
@@ -75,21 +77,23 @@ def main() -> None:
         call(way, *map(int, dims))
         print(json.dumps((_high_water_kib() - base) / 1024))
         return
-    print(f"| shape | keys per slot query | matmul ms | sdpa ms | matmul / sdpa |" + (" peak MiB matmul / sdpa |" if a.memory else ""))
-    print("|---|---|---|---|---|" + ("---|" if a.memory else ""))
+    ways = ("matmul", "sdpa", "causal")
+    print("| shape | keys per slot query | matmul ms | sdpa ms | causal ms | matmul / sdpa | causal / sdpa |"
+          + (" peak MiB matmul / sdpa / causal |" if a.memory else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if a.memory else ""))
     for label, rows, slots, prefix, n in SHAPES:
-        times: dict[str, list[float]] = {"matmul": [], "sdpa": []}
+        times: dict[str, list[float]] = {w: [] for w in ways}
         call("matmul", rows, slots, prefix, n)  # warm-up
         for rep in range(a.reps):
-            for way in (("matmul", "sdpa") if rep % 2 == 0 else ("sdpa", "matmul")):
+            for way in ways[rep % 3:] + ways[:rep % 3]:
                 times[way] += call(way, rows, slots, prefix, n)
-        mm, sd = (statistics.median(times[w]) * 1e3 for w in ("matmul", "sdpa"))
-        row = f"| {label} | {prefix + n} | {mm:.1f} | {sd:.1f} | {mm / sd:.2f} |"
+        mm, sd, ca = (statistics.median(times[w]) * 1e3 for w in ways)
+        row = f"| {label} | {prefix + n} | {mm:.1f} | {sd:.1f} | {ca:.1f} | {mm / sd:.2f} | {ca / sd:.2f} |"
         if a.memory:
             mem = [json.loads(subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--one",
                                               f"{w},{rows},{slots},{prefix},{n}"], capture_output=True, text=True,
-                                             check=True).stdout) for w in ("matmul", "sdpa")]
-            row += f" {mem[0]:.0f} / {mem[1]:.0f} |"
+                                             check=True).stdout) for w in ways]
+            row += f" {mem[0]:.0f} / {mem[1]:.0f} / {mem[2]:.0f} |"
         print(row, flush=True)
 
 

@@ -63,14 +63,19 @@ def test_layout_rejects_completions_that_are_not_right_padded():
         pack_groups(ids, mask, pos, p)
 
 
-@pytest.fixture(params=["matmul", "sdpa", "mixed"])
+@pytest.fixture(params=["matmul", "sdpa", "mixed", "causal", "causal-padded", "all-three"])
 def products(request, monkeypatch):
     """Every way the kernel computes its products: all in one padded bucket through matmuls (short keys),
-    every size in its own bucket through fused SDPA (long keys), and both in one forward (the case's
-    products have 3 to 15 keys; from 9 they go to SDPA) — forced by moving the thresholds, so all run on
-    the same short case."""
-    sdpa_from, budget = {"matmul": (10**9, 10**9), "sdpa": (1, 0), "mixed": (9, 0)}[request.param]
+    every size in its own bucket through fused SDPA under a mask (long keys), both in one forward (the
+    case's products have 3 to 15 keys; from 9 they go to SDPA), every product as a causal square through
+    SDPA (very long keys) in buckets of one size or all in one bucket padded at the end, and all three
+    ways in one forward (matmuls below 5 keys, masked SDPA below 11, causal squares from 11) — forced by
+    moving the thresholds, so all run on the same short case."""
+    sdpa_from, causal_from, budget = {"matmul": (10**9, 10**9, 10**9), "sdpa": (1, 10**9, 0), "mixed": (9, 10**9, 0),
+                                      "causal": (1, 1, 0), "causal-padded": (1, 1, 10**9),
+                                      "all-three": (5, 11, 0)}[request.param]
     monkeypatch.setattr(prefix_attention, "SDPA_FROM", sdpa_from)
+    monkeypatch.setattr(prefix_attention, "CAUSAL_FROM", causal_from)
     monkeypatch.setattr(prefix_attention, "PAD_BUDGET", budget)
     return request.param
 
@@ -78,10 +83,10 @@ def products(request, monkeypatch):
 def test_plan_buckets_products_of_similar_size_and_restores_column_order():
     # one prompt of 4 tokens and slots of 6, 6, 5 and 1 columns, then a prompt of 2 with one slot of 6
     seg = Segments(prefixes=((0, 4), (22, 2)), slots=(((4, 6), (10, 6), (16, 5), (21, 1)), ((24, 6),)))
-    plan = prefix_attention._plan(seg, 10**9, 0, torch.device("cpu"))
+    plan = prefix_attention._plan(seg, 10**9, 10**9, 0, torch.device("cpu"))
     # no padding allowed: equal sizes only — slots 6 after prompt 4 (×2), slot 6 after prompt 2, slot 5, …
     assert [(b.m, b.length, b.keys) for b in plan.buckets] == [(2, 6, 10), (1, 6, 8), (1, 5, 9), (1, 4, 4), (1, 2, 2), (1, 1, 5)]
-    loose = prefix_attention._plan(seg, 10**9, 10**9, torch.device("cpu"))
+    loose = prefix_attention._plan(seg, 10**9, 10**9, 10**9, torch.device("cpu"))
     assert [(b.m, b.length, b.keys) for b in loose.buckets] == [(7, 6, 10)]       # everything in one
     for p in (plan, loose):
         # every column's output comes from the bucket row that holds that column as its query
@@ -91,6 +96,11 @@ def test_plan_buckets_products_of_similar_size_and_restores_column_order():
     m = 3
     assert loose.k_index[m * 10 : (m + 1) * 10].tolist() == [0, 1, 2, 3, 16, 17, 18, 19, 20, 0]
     assert loose.buckets[0].mask[m, 0, 0, 2].tolist() == [0, 0, 0, 0, 0, 0, 0, float("-inf"), float("-inf"), float("-inf")]
+    # as causal squares in one bucket: each slot's rows are [its prompt | itself], padded at the end to 10
+    square = prefix_attention._plan(seg, 1, 1, 10**9, torch.device("cpu"))
+    assert [(b.m, b.length, b.keys, b.mask) for b in square.buckets] == [(7, 10, 10, None)]
+    assert square.q_index[m * 10 : (m + 1) * 10].tolist() == [0, 1, 2, 3, 16, 17, 18, 19, 20, 0]
+    assert square.q_index[square.out_index].tolist() == list(range(seg.width))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # GQA (tiny-30m-like heads) and q/k/v biases (qwen2)
