@@ -42,10 +42,11 @@ to its longest. Two ways to compute a bucket, picked by its key length:
 - very long (from `CAUSAL_FROM` keys): SDPA with `is_causal` and no mask, each slot's product run as the
   square [its prompt | itself] — its prompt's queries computed again and their outputs dropped (the
   prompt's own product gives them) — padded at the end, which a causal product never reads. The kernel
-  then skips the key blocks above the diagonal, which the masked form computes and throws away: at 1,024-
-  token DPO pairs 0.95 s against 1.17 for one attention call forward + backward, at 512-token GRPO
-  completions 0.41 against 0.46; at 264 keys (256-token DPO pairs) slower, 0.135 against 0.108 (the
-  flash kernel's key blocks are 512 wide: nothing to skip, and the prompt's queries are extra work).
+  then skips the key blocks above the diagonal, which the masked form computes and throws away. One
+  attention call forward + backward (`benchmarks/prefix_attention.py`): 432 against 485 ms at 512-token
+  GRPO completions, 1,058 against 1,075 at 1,024-token DPO pairs, no mask tensor held; at 256 keys slower
+  (136 against 111 ms: the flash kernel's key blocks are 512 wide, nothing to skip, and the prompt's
+  queries are extra work).
 Both compute the same attention (tests/test_models_prefix_attention.py: fp32 within round-off). The
 buckets and the gather indices are planned once per row (`_plan`, cached) and shared by every layer.
 Measured (`python benchmarks/prefix_attention.py`, one attention call forward + backward, bf16,
