@@ -32,7 +32,7 @@ adds costs less than a bucket's fixed cost (`PAD_BUDGET`), so equal-length pairs
 completions that all hit the limit run as one batched call, and a ragged batch costs its real sizes. One
 gather per layer copies every bucket's queries, keys and values out of the row (each slot's keys are its
 prompt's then its own), one gather puts the outputs back in column order; a bucket's products are padded
-to its longest. Two ways to compute a bucket, picked by its key length:
+to its longest. Three ways to compute a bucket, picked by its key length:
 - short (fewer than `SDPA_FROM` keys): two matmuls and an fp32 softmax, GQA as the rows of one matmul
   per KV head (as transformers' eager attention); the probabilities (queries × keys, fp32) are kept for
   the backward;
@@ -47,7 +47,7 @@ to its longest. Two ways to compute a bucket, picked by its key length:
   GRPO completions, 1,058 against 1,075 at 1,024-token DPO pairs, no mask tensor held; at 256 keys slower
   (136 against 111 ms: the flash kernel's key blocks are 512 wide, nothing to skip, and the prompt's
   queries are extra work).
-Both compute the same attention (tests/test_models_prefix_attention.py: fp32 within round-off). The
+All three compute the same attention (tests/test_models_prefix_attention.py: fp32 within round-off). The
 buckets and the gather indices are planned once per row (`_plan`, cached) and shared by every layer.
 Measured (`python benchmarks/prefix_attention.py`, one attention call forward + backward, bf16,
 1 thread): docs/performance.md.
