@@ -168,30 +168,30 @@ def _plan(segments: Segments, sdpa_from: int, causal_from: int, pad_budget: int,
 
 def _matmul_bucket(bucket: _Bucket, q: Tensor, k: Tensor, v: Tensor, scaling: float, dropout: float) -> Tensor:
     """A bucket of short products: two matmuls and an fp32 softmax (as transformers' eager attention),
-    GQA as the rows of one matmul per KV head. Shapes: q (Hq, M·L, D); k, v (Hkv, M·S, D) → (Hq, M·L, D)."""
+    GQA as the rows of one matmul per KV head. Shapes: q (M·L, Hq, D); k, v (M·S, Hkv, D) → (M·L, Hq, D)."""
     m, length, keys = bucket.m, bucket.length, bucket.keys
-    hq, _, d = q.shape
-    hkv = k.shape[0]
+    _, hq, d = q.shape
+    hkv = k.shape[1]
     group = hq // hkv
-    q = q.view(hkv, group, m, length, d).permute(2, 0, 1, 3, 4).reshape(m, hkv, group * length, d)
-    k, v = (t.view(hkv, m, keys, d).transpose(0, 1) for t in (k, v))                    # (M, Hkv, S, D)
+    q = q.view(m, length, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(m, hkv, group * length, d)
+    k, v = (t.view(m, keys, hkv, d).transpose(1, 2) for t in (k, v))                    # (M, Hkv, S, D)
     scores = torch.matmul(q, k.transpose(-1, -2)).view(m, hkv, group, length, keys)
     probs = torch.softmax(scores.float() * scaling + bucket.mask, dim=-1).to(v.dtype)
     if dropout > 0:
         probs = F.dropout(probs, p=dropout, training=True)
     out = torch.matmul(probs.view(m, hkv, group * length, keys), v)                     # (M, Hkv, g·L, D)
-    return out.view(m, hq, length, d).transpose(0, 1).reshape(hq, m * length, d)
+    return out.view(m, hq, length, d).transpose(1, 2).reshape(m * length, hq, d)
 
 
 def _sdpa_bucket(bucket: _Bucket, q: Tensor, k: Tensor, v: Tensor, scaling: float, dropout: float) -> Tensor:
     """A bucket of long products through fused SDPA (GQA without repeated keys). Shapes as `_matmul_bucket`'s."""
     m, length, keys = bucket.m, bucket.length, bucket.keys
-    hq, _, d = q.shape
-    q = q.view(hq, m, length, d).transpose(0, 1)
-    k, v = (t.view(t.shape[0], m, keys, d).transpose(0, 1) for t in (k, v))
+    _, hq, d = q.shape
+    q = q.view(m, length, hq, d).transpose(1, 2)
+    k, v = (t.view(m, keys, t.shape[1], d).transpose(1, 2) for t in (k, v))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scaling, dropout_p=dropout,
                                          is_causal=bucket.mask is None, enable_gqa=True)  # (M, Hq, L, D)
-    return out.transpose(0, 1).reshape(hq, m * length, d)
+    return out.transpose(1, 2).reshape(m * length, hq, d)
 
 
 def shared_prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -204,12 +204,16 @@ def shared_prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value
                          f"(the segments' width), got {rows} × {width}")
     plan = _plan(segments, SDPA_FROM, CAUSAL_FROM, PAD_BUDGET, query.device)
     drop = dropout if module.training else 0.0
-    qs = query[0][:, plan.q_index].split([b.m * b.length for b in plan.buckets], dim=1)
-    ks, vs = (t[0][:, plan.k_index].split([b.m * b.keys for b in plan.buckets], dim=1) for t in (key, value))
+    # token-major (T, H, D): the projections' own layout, of which transformers' (1, H, T, D) is a transposed
+    # view; each gather then copies whole rows and its backward adds whole rows (`index_select`/`index_add_`:
+    # 3–4× faster than the (H, T, D) gather and its `index_put_` at DPO shapes; docs/performance.md)
+    q_rows, k_rows, v_rows = (t[0].transpose(0, 1) for t in (query, key, value))
+    qs = q_rows.index_select(0, plan.q_index).split([b.m * b.length for b in plan.buckets])
+    ks, vs = (t.index_select(0, plan.k_index).split([b.m * b.keys for b in plan.buckets]) for t in (k_rows, v_rows))
     outs = [(_sdpa_bucket if b.sdpa else _matmul_bucket)(b, q, k, v, scaling, drop)
             for b, q, k, v in zip(plan.buckets, qs, ks, vs)]
-    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]                            # (Hq, Σ M·L, D)
-    return out[:, plan.out_index].transpose(0, 1)[None].contiguous(), None
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]                                   # (Σ M·L, Hq, D)
+    return out.index_select(0, plan.out_index)[None], None
 
 
 AttentionInterface.register(NAME, shared_prefix_attention)
