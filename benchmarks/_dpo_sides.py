@@ -78,7 +78,9 @@ def _now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def run_ours(model_dir: Path, pairs: Path, *, steps: int, batch: int, max_len: int, threads: int, warmup: int) -> dict:
+def run_ours(model_dir: Path, pairs: Path, *, steps: int, batch: int, max_len: int, threads: int, warmup: int,
+             heap_keep_mib: float | None = None, on_step=None) -> dict:
+    """`heap_keep_mib`: the allocator's (default: the recipe's); `on_step()` is called at every step's end."""
     import torch
     from rich.console import Console
 
@@ -91,7 +93,8 @@ def run_ours(model_dir: Path, pairs: Path, *, steps: int, batch: int, max_len: i
     from posttrain.telemetry import Telemetry
 
     torch.set_num_threads(threads)
-    set_mmap_threshold(int(Recipe.model_fields["mmap_threshold_mib"].default * 2**20))  # as `posttrain run` does
+    keep = Recipe.model_fields["heap_keep_mib"].default if heap_keep_mib is None else heap_keep_mib
+    set_mmap_threshold(int(Recipe.model_fields["mmap_threshold_mib"].default * 2**20), int(keep * 2**20))  # as `posttrain run` does
     stage = {"stage": "dpo", "steps": steps, "batch_size": batch, "beta": BETA, "data": [{"path": str(pairs)}],
              "max_len": max_len, "eval_per_level": 0, "log_every": 1, "save_every": 10_000,
              "optim": {"lr": LR, "warmup_steps": 0, "weight_decay": 0.0, "min_lr_ratio": 1.0}}
@@ -101,6 +104,8 @@ def run_ours(model_dir: Path, pairs: Path, *, steps: int, batch: int, max_len: i
     class Sink:
         def log(self, r: dict) -> None:
             ends.append(_now())
+            if on_step is not None:
+                on_step()
 
         def close(self) -> None:
             pass

@@ -76,9 +76,10 @@ def prepare(folder: Path, *, problems: int = 512, max_seq_len: int = 160) -> tup
 # ---- our side --------------------------------------------------------------------------------------
 def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: bool, completion: int = COMPLETION,
              lora: bool = False, overrides: dict | None = None, mmap_threshold_mib: float | None = None,
-             on_step=None) -> dict:
+             heap_keep_mib: float | None = None, on_step=None) -> dict:
     """`overrides`: fields of our grpo stage to set (an A/B of one setting in one process).
-    `mmap_threshold_mib`: the host allocator's threshold (default: the recipe's, as `posttrain run` sets it).
+    `mmap_threshold_mib`, `heap_keep_mib`: the host allocator's thresholds (default: the recipe's, as
+    `posttrain run` sets them).
     `on_step(record)`: called at the end of every step with the step's metrics."""
     import torch
     from rich.console import Console
@@ -95,7 +96,8 @@ def run_ours(model_dir: Path, data: Path, steps: int, threads: int, *, bf16: boo
 
     torch.set_num_threads(threads)
     mib = Recipe.model_fields["mmap_threshold_mib"].default if mmap_threshold_mib is None else mmap_threshold_mib
-    set_mmap_threshold(int(mib * 2**20))  # as `posttrain run` does (runtime/allocator.py)
+    keep = Recipe.model_fields["heap_keep_mib"].default if heap_keep_mib is None else heap_keep_mib
+    set_mmap_threshold(int(mib * 2**20), int(keep * 2**20))  # as `posttrain run` does (runtime/allocator.py)
     stage = {"stage": "grpo", "steps": steps + 1, "batch_size": SEQS, "group_size": G, "max_new_tokens": completion, "max_prompt_len": 160,
              "temperature": 1.0, "kl_coef": 0.0, "loss": "dapo", "mu": 1, "rewards": [{"name": "gold"}],
              "data": [{"path": str(data)}], "log_every": 1, "save_every": steps + 1,

@@ -282,7 +282,8 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
         tokenizer = load_tokenizer(start)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
-    if recipe.mmap_threshold_mib is not None and (why := set_mmap_threshold(int(recipe.mmap_threshold_mib * 2**20))):
+    if recipe.mmap_threshold_mib is not None and (why := set_mmap_threshold(int(recipe.mmap_threshold_mib * 2**20),
+                                                                               int(recipe.heap_keep_mib * 2**20))):
         console.print(f"[yellow]mmap_threshold_mib: not applied — {why}[/]")
     device = ranks.device(recipe.device)
 
