@@ -23,10 +23,11 @@ keeps up to that much free memory at its top. A training step frees its activati
 end and allocates the same sizes again in the next, so pages handed back are pages faulted in again, and
 a first-touch fault is dear — ~8–11 µs a page on the machine of docs/performance.md (a 2.9 MiB gradient
 cast took 8 ms with its 704 faults, 0.15 ms without). Keeping them costs nothing in peak memory (the
-pages were resident at the peak anyway); the resident set stays near the peak between steps. Twice the
-mmap threshold (glibc's own ratio under its dynamic rule, and the earlier setting): tiny-30m GRPO at 32
-tokens faulted 10,000–23,000 pages a step after the first against ~3,800 at 1 GiB; DPO at 1,024-token
-pairs 110,000–315,000 against ~70 (`benchmarks/allocator.py`).
+pages were resident at the peak anyway; measured peaks stayed within their run-to-run spread), and the
+resident set stays near the peak between steps. Against twice the mmap threshold (glibc's own ratio under
+its dynamic rule, the earlier setting), `benchmarks/allocator.py`: tiny-30m GRPO at 32 tokens 5,300–21,800
+faults a step → 3,000–5,400, its time within noise; DPO at 1,024-token pairs 147,000–419,000 → 148,000–
+296,000 (the blocks ≥ 32 MiB are mapped either way) and 27.2 / 28.1 → 26.8 / 25.6 s a step.
 
 glibc only (Linux); elsewhere, or where the call fails, nothing changes and `set_mmap_threshold` says why.
 """

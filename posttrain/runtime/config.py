@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from posttrain.rewards.registry import VerifierName
+from posttrain.runtime.allocator import HEAP_KEEP_BYTES
 from posttrain.runtime.rounds import RoundsError, expand_rounds
 
 # A stage name is a folder name under checkpoints/ and a key in every stream: letters, digits, `_`, `-`
@@ -547,7 +548,7 @@ class Recipe(Strict):
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="training precision (bf16 = autocast, fp32 master weights)")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's)")
     mmap_threshold_mib: float | None = Field(32.0, gt=0, le=32, description="CPU tensors of at least this many MiB get their own memory mapping, returned to the OS when freed (glibc's mallopt; posttrain/runtime/allocator.py). Lower trades time for memory: at 4, long sequences peak lower but every large activation is page-faulted in again each step (docs/performance.md); null = glibc's dynamic thresholds (and heap_keep_mib unused)")
-    heap_keep_mib: float = Field(1024.0, gt=0, le=2047, description="free memory the heap keeps at its top instead of handing it back to the OS (glibc's trim threshold; at least twice mmap_threshold_mib): a step's freed activations and gradients are reused by the next one, not page-faulted in again. The resident set stays near the peak between steps; the peak does not grow (docs/performance.md)")
+    heap_keep_mib: float = Field(HEAP_KEEP_BYTES / 2**20, gt=0, le=2047, description="free memory the heap keeps at its top instead of handing it back to the OS (glibc's trim threshold; at least twice mmap_threshold_mib): a step's freed activations and gradients are reused by the next one, not page-faulted in again. The resident set stays near the peak between steps (posttrain/runtime/allocator.py)")
     world_seed: int = Field(0, description="seed of the arithmetic task's world (its splits and held-out problems)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     evals: list[EvalSpec] = Field(default_factory=list, description="held-out evals after every stage (and of a loaded start): exactly these, none by default")
