@@ -4,9 +4,12 @@ time, page faults and memory of our GRPO or DPO step at each setting, in one inv
     python benchmarks/allocator.py --completion 128 --steps 4 --arms 4 32
     python benchmarks/allocator.py --completion 32 --steps 9 --arms 32:64 32:1024 --repeats 4
     python benchmarks/allocator.py --dpo 1024 --steps 5 --arms 32:64 32:1024 --repeats 2
+    python benchmarks/allocator.py --dpo 64 --steps 8 --arms 32:1024 32:1024+thp --repeats 2
 
 An arm is `MMAP` or `MMAP:KEEP` (MiB; KEEP defaults to the recipe's `heap_keep_mib`; `32:64` is the heap
-trimmed at twice the mmap threshold, the setting before `heap_keep_mib`). GRPO: tiny-30m random init, bf16,
+trimmed at twice the mmap threshold, the setting before `heap_keep_mib`); a trailing `+thp` runs the arm with
+torch's transparent-huge-page allocation on (`THP_MEM_ALLOC_ENABLE=1`: blocks of 2 MiB and more aligned to
+2 MiB and advised MADV_HUGEPAGE), every other arm with it off. GRPO: tiny-30m random init, bf16,
 the shape of `benchmarks/scaling.py` (2 prompts × G 8, T 1, μ 1); `--dpo LEN`: the DPO stage of
 `benchmarks/_dpo_sides.py` on 8 pairs of LEN tokens a step instead. One thread. Each arm runs in its own
 subprocess (the allocator is process-wide), the arms' order alternating between repeats. Per arm: seconds
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -38,7 +42,7 @@ def _status_mib(field: str) -> int:
 
 
 def arm(spec: str, model_dir: Path, data: Path, *, completion: int, steps: int, dpo: int | None = None) -> dict:
-    mib, _, keep = spec.partition(":")
+    mib, _, keep = spec.removesuffix("+thp").partition(":")
     per_step: list[dict] = []
     usage = [resource.getrusage(resource.RUSAGE_SELF)]
 
@@ -92,7 +96,8 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--arm", spec, "--model", str(model_dir), "--data", str(data),
                        "--completion", str(a.completion), "--steps", str(a.steps)] + \
                       (["--dpo", str(a.dpo)] if a.dpo is not None else [])
-                r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+                env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1" if spec.endswith("+thp") else "0"}
+                r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout.splitlines()[-1])
                 results.append(r)
                 print(f"{spec} MiB: {r['s_per_step']:.3f} s/step (CPU {r['cpu_s_per_step']:.3f}), "
                       f"{r['faults_per_step']:,.0f} faults/step, {r['sys_ms_per_step']:.0f} ms system/step, peak per step "
