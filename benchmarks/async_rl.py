@@ -36,7 +36,7 @@ import transformers
 from rich.console import Console
 
 from posttrain.pipeline.run import make_world, run_pipeline
-from posttrain.runtime.config import load_recipe
+from posttrain.runtime.recipe_file import load_recipe
 from posttrain.telemetry.phases import read_phases
 from posttrain.telemetry.sinks import read_jsonl_records
 

@@ -34,7 +34,7 @@ from rich.console import Console
 
 from posttrain.data import encode_prompt as enc
 from posttrain.models import load_model, load_tokenizer
-from posttrain.runtime.config import load_recipe
+from posttrain.runtime.recipe_file import load_recipe
 from posttrain.rollout.greedy import greedy
 from posttrain.pipeline.run import make_world, run_pipeline
 from posttrain.telemetry.phases import read_phases

@@ -65,7 +65,7 @@ def packaged_recipe(name: str) -> Path:
 def _run(recipe_path: Path, out: Path | None, resume: bool, overrides: list[str], *, fresh: bool) -> None:
     _quiet_libraries()
     from posttrain.distributed import init_world
-    from posttrain.runtime.config import load_recipe
+    from posttrain.runtime.recipe_file import load_recipe
     from posttrain.pipeline.run import run_pipeline
 
     from posttrain.doctor import DoctorStop
@@ -141,7 +141,7 @@ def _launch_ray_learners(nproc: int, recipe: Path, overrides: list[str]) -> None
     output is printed here; a failed rank stops the others and is one line naming it, exit 1."""
     from posttrain.distributed.ray_learners import LearnerError, LearnerGroup, check_rollout_placement, launch_learners
     from posttrain.pipeline.run import check_data_parallel
-    from posttrain.runtime.config import load_recipe
+    from posttrain.runtime.recipe_file import load_recipe
 
     loaded = _guard(lambda: load_recipe(recipe, overrides))
     _guard(lambda: check_data_parallel(loaded, nproc))
@@ -191,7 +191,7 @@ def _launch_ranks(nproc: int, recipe: Path, overrides: list[str]) -> None:
     then replace this process by `torchrun --standalone --nproc-per-node N -m posttrain.cli run …` with the
     other arguments as given; torchrun's exit status is the command's."""
     from posttrain.pipeline.run import check_data_parallel
-    from posttrain.runtime.config import load_recipe
+    from posttrain.runtime.recipe_file import load_recipe
 
     loaded = _guard(lambda: load_recipe(recipe, overrides))
     _guard(lambda: check_data_parallel(loaded, nproc))
@@ -235,7 +235,8 @@ def eval_(
     from pydantic import ValidationError
 
     from posttrain.pipeline.evals import as_json, eval_table, evaluate_checkpoint
-    from posttrain.runtime.config import EvalSpec, RecipeError, format_validation_error
+    from posttrain.runtime.config import EvalSpec, RecipeError
+    from posttrain.runtime.recipe_file import format_validation_error
 
     def spec() -> EvalSpec:
         fields = {"task": task, "path": path, "verifier": verifier, "k": k or [], "samples": samples,

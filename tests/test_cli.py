@@ -103,7 +103,7 @@ def test_resume_from_a_folder_that_is_not_a_run(tmp_path):
 
 
 def test_a_changed_recipe_is_refused_naming_the_key(tmp_path):
-    from posttrain.runtime.config import dump_recipe, load_recipe
+    from posttrain.runtime.recipe_file import dump_recipe, load_recipe
 
     path = _recipe(tmp_path)
     (tmp_path / "run").mkdir()

@@ -27,7 +27,8 @@ from posttrain.judges import (
     work_result,
 )
 from posttrain.judges.checkers import rule_revision
-from posttrain.runtime.config import ConstitutionalRLStage, ConstitutionalSLStage, RecipeError, load_recipe
+from posttrain.runtime.config import ConstitutionalRLStage, ConstitutionalSLStage, RecipeError
+from posttrain.runtime.recipe_file import load_recipe
 from posttrain.worlds.arithmetic import Fact, column_work, concise_answer, ramble
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -341,7 +341,8 @@ def test_hf_dataset_empty_and_default_name():
 
 def test_recipe_fifo_is_refused_without_blocking(tmp_path):
     # the recipe is the other user file the CLI opens; `is_file()` is False for a FIFO, so it never blocks
-    from posttrain.runtime.config import RecipeError, load_recipe
+    from posttrain.runtime.config import RecipeError
+    from posttrain.runtime.recipe_file import load_recipe
 
     fifo = tmp_path / "recipe.yaml"
     os.mkfifo(fifo)

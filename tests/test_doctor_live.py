@@ -119,7 +119,7 @@ def test_report_panel_plots_the_evidence(tmp_path):
 @pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "posttrain" / "recipes" / "failures").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_failure_recipes_validate_and_name_their_command(path, monkeypatch):
-    from posttrain.runtime.config import load_recipe
+    from posttrain.runtime.recipe_file import load_recipe
 
     first = path.read_text().splitlines()[0]
     assert first.startswith(f"# posttrain run recipes/failures/{path.name}"), first
@@ -146,7 +146,7 @@ def test_a_transient_live_finding_stays_in_doctor_json(tmp_path):
 def test_the_false_alarm_check_runs_the_demos_own_dpo_and_grpo_stages():
     # recipes/checks/demo-dpo-grpo.yaml must stay the quickstart's DPO and GRPO stages (and evals) verbatim:
     # the doctor's false-alarm rate over seeds is measured on it (docs/doctor.md, "Measured")
-    from posttrain.runtime.config import load_recipe
+    from posttrain.runtime.recipe_file import load_recipe
 
     root = Path(__file__).parent.parent / "posttrain" / "recipes"
     quick = yaml.safe_load((root / "quickstart.yaml").read_text())

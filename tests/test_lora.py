@@ -419,7 +419,8 @@ def test_grpo_resume_with_lora_is_exact(tmp_path, policy_dir, tokenizer, world, 
 
 
 def test_recipe_lora_block_is_validated(tmp_path):
-    from posttrain.runtime.config import RecipeError, load_recipe
+    from posttrain.runtime.config import RecipeError
+    from posttrain.runtime.recipe_file import load_recipe
 
     path = tmp_path / "r.yaml"
     path.write_text("stages: [{stage: sft, data: [{task: arithmetic, n: 8}]}]\nmodel: {lora: {rank: 8}}\n")

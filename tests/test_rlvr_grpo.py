@@ -24,15 +24,8 @@ from posttrain.stages._rlvr import (
     load_problems,
     world_gold,
 )
-from posttrain.stages.grpo import (
-    VARIANTS,
-    GRPOLoss,
-    build_batch,
-    collect_groups,
-    completion_logprobs,
-    grpo_token_loss,
-    run_grpo,
-)
+from posttrain.losses import GRPO_VARIANTS, GRPOLoss, grpo_token_loss
+from posttrain.stages.grpo import build_batch, collect_groups, completion_logprobs, run_grpo
 from posttrain.telemetry import Telemetry
 from conftest import ListSink, world_tasks
 
@@ -48,22 +41,22 @@ def make_ctx(run_dir: Path, start: Path, tokenizer, world, stage) -> tuple[RunCo
 # ---- the loss variants, by hand ----------------------------------------------------------------
 def test_variant_table():
     # GRPO: std-normalized advantage, per-sequence mean; DAPO: clip-higher, token mean; Dr. GRPO: no std, constant norm
-    assert (VARIANTS[GRPOLoss.GRPO].clip_low, VARIANTS[GRPOLoss.GRPO].clip_high) == (0.2, 0.2)
-    assert (VARIANTS[GRPOLoss.DAPO].clip_low, VARIANTS[GRPOLoss.DAPO].clip_high) == (0.2, 0.28)
+    assert (GRPO_VARIANTS[GRPOLoss.GRPO].clip_low, GRPO_VARIANTS[GRPOLoss.GRPO].clip_high) == (0.2, 0.2)
+    assert (GRPO_VARIANTS[GRPOLoss.DAPO].clip_low, GRPO_VARIANTS[GRPOLoss.DAPO].clip_high) == (0.2, 0.28)
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
     # mean 0.25; unbiased std = sqrt((0.75² + 3·0.25²)/3) = sqrt(0.25) = 0.5 → (1.5, −0.5, −0.5, −0.5)
-    torch.testing.assert_close(VARIANTS[GRPOLoss.GRPO].advantages(rewards, group_size=4),
+    torch.testing.assert_close(GRPO_VARIANTS[GRPOLoss.GRPO].advantages(rewards, group_size=4),
                                torch.tensor([1.5, -0.5, -0.5, -0.5]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(VARIANTS[GRPOLoss.DAPO].advantages(rewards, group_size=4),
+    torch.testing.assert_close(GRPO_VARIANTS[GRPOLoss.DAPO].advantages(rewards, group_size=4),
                                torch.tensor([1.5, -0.5, -0.5, -0.5]), atol=1e-5, rtol=0)
     # Dr. GRPO: r − mean → (0.75, −0.25, −0.25, −0.25)
-    torch.testing.assert_close(VARIANTS[GRPOLoss.DR_GRPO].advantages(rewards, group_size=4),
+    torch.testing.assert_close(GRPO_VARIANTS[GRPOLoss.DR_GRPO].advantages(rewards, group_size=4),
                                torch.tensor([0.75, -0.25, -0.25, -0.25]))
     # Aggregations on two sequences of 1 and 3 tokens, per-token loss 1 (seq 0) and 2 (seq 1), L_max = 4:
     loss = torch.tensor([[1.0, 0, 0], [2.0, 2.0, 2.0]])
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
     norm = loss_normalizer(mask, constant_length=4)
-    agg = {k: float(AGGREGATIONS[v.aggregation](loss, mask, norm)) for k, v in VARIANTS.items()}
+    agg = {k: float(AGGREGATIONS[v.aggregation](loss, mask, norm)) for k, v in GRPO_VARIANTS.items()}
     assert agg[GRPOLoss.GRPO] == pytest.approx(1.5)     # (1/1 + 6/3) / 2 = 1.5
     assert agg[GRPOLoss.DAPO] == pytest.approx(1.75)    # (1 + 6) / 4 tokens = 1.75
     assert agg[GRPOLoss.DR_GRPO] == pytest.approx(0.875)  # (1 + 6) / (2 · 4) = 0.875
@@ -167,7 +160,7 @@ def _collect(ctx, cfg, policy_dir, tokenizer, verifier):
     problems = load_problems(ctx, cfg.data, levels=None)
     prompts = encode_problems(problems, tokenizer, 64)
     sampler = EpochSampler(len(problems), 1, seed=0)
-    return collect_groups(ctx, cfg, engine, [WeightedVerifier("v", verifier)], VARIANTS[GRPOLoss.DAPO],
+    return collect_groups(ctx, cfg, engine, [WeightedVerifier("v", verifier)], GRPO_VARIANTS[GRPOLoss.DAPO],
                           problems, prompts, sampler, step=1)
 
 

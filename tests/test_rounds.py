@@ -18,7 +18,8 @@ from conftest import metric_rows, start_run, tiny_recipe_dict
 from posttrain.cli import app
 from posttrain.pipeline.run import run_pipeline
 from posttrain.report import write_report
-from posttrain.runtime.config import Recipe, RecipeError, dump_recipe, load_recipe
+from posttrain.runtime.config import Recipe, RecipeError
+from posttrain.runtime.recipe_file import dump_recipe, load_recipe
 from posttrain.runtime.rounds import expand_rounds
 from posttrain.stages import rejection_sampling as rs_mod
 

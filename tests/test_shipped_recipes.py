@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from posttrain.pipeline.run import run_pipeline
-from posttrain.runtime.config import load_recipe
+from posttrain.runtime.recipe_file import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"

@@ -13,7 +13,8 @@ import torch
 from posttrain.data import DataError
 from posttrain.data.records import Problem
 from posttrain.pipeline.evals import renamed
-from posttrain.runtime.config import DataSource, EvalSpec, Recipe, RecipeError, load_recipe
+from posttrain.runtime.config import DataSource, EvalSpec, Recipe, RecipeError
+from posttrain.runtime.recipe_file import load_recipe
 from posttrain.runtime.context import eval_plan, make_tasks
 from posttrain.tasks import Capability, EvalRecord, EvalRequest, MissingCapability, MissingTask, TaskError
 from posttrain.tasks import evaluate as evaluate_mod

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.pipeline.run import run_pipeline
-from posttrain.runtime.config import load_recipe
+from posttrain.runtime.recipe_file import load_recipe
 from posttrain.tasks.arithmetic import ArithmeticTask
 from posttrain.worlds.arithmetic import ArithmeticWorld
 

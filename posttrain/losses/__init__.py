@@ -25,6 +25,7 @@ from posttrain.losses.aggregation import (
     seq_mean_token_sum_norm,
     token_mean,
 )
+from posttrain.losses.grpo import GRPO_VARIANTS, GRPOLoss, LossVariant, decoupled_grpo_token_loss, grpo_token_loss
 from posttrain.losses.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -75,16 +76,19 @@ from posttrain.losses.sft import SFTStats, sft_loss
 
 __all__ = [
     "AGGREGATIONS",
+    "GRPO_VARIANTS",
     "KL_ESTIMATORS",
     "PREFERENCE_METHODS",
     "AdaptiveKLController",
     "Aggregation",
     "AggregationFn",
     "FixedKLController",
+    "GRPOLoss",
     "KLEstimator",
     "KLRewardStats",
     "KTOStats",
     "LossNormalizer",
+    "LossVariant",
     "ORPOStats",
     "MismatchStats",
     "OffPolicyStats",
@@ -99,6 +103,7 @@ __all__ = [
     "ValueStats",
     "bradley_terry_loss",
     "clipped_value_loss",
+    "decoupled_grpo_token_loss",
     "discounted_returns",
     "dpo_loss",
     "dr_grpo_advantages",
@@ -106,6 +111,7 @@ __all__ = [
     "entropy_from_logits",
     "gae",
     "grpo_advantages",
+    "grpo_token_loss",
     "ipo_loss",
     "kl_k1",
     "kl_k2",

@@ -33,7 +33,8 @@ from posttrain.runtime.checkpoint import (
     FINAL, CheckpointError, Fault, checkpoint_folders, final_checkpoint, latest_checkpoint, set_aside,
     verify_checkpoint,
 )
-from posttrain.runtime.config import Recipe, dump_recipe
+from posttrain.runtime.config import Recipe
+from posttrain.runtime.recipe_file import dump_recipe
 
 RECIPE_FILE = "recipe.yaml"
 RECIPE_TMP = f".{RECIPE_FILE}.tmp"

@@ -12,7 +12,7 @@ References:
   advantage, and the loss summed over tokens and divided by a constant (the generation budget),
   removing GRPO's length and difficulty biases.
 
-The three losses are rows of one table (`VARIANTS`): advantage function, aggregation, clip range.
+The three losses are rows of one table (`GRPO_VARIANTS`): advantage function, aggregation, clip range.
 
 Departures (numbered):
 1. `steps` counts optimizer steps; a rollout batch is reused for μ of them, each over the whole
@@ -52,7 +52,6 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -65,20 +64,16 @@ from posttrain.distributed import DistributedError, World, shard_range
 from posttrain.envs import Episode, EpisodeEnd, EnvironmentFactory, pad_episodes
 from posttrain.losses import (
     AGGREGATIONS,
-    Aggregation,
+    GRPO_VARIANTS,
+    GRPOLoss,
     LossNormalizer,
-    OffPolicyStats,
-    PolicyStats,
-    decoupled_ppo_loss,
-    dr_grpo_advantages,
+    LossVariant,
+    decoupled_grpo_token_loss,
     entropy_from_logits,
-    grpo_advantages,
-    kl_k3,
-    ppo_clip_loss,
+    grpo_token_loss,
     sampler_mismatch,
     token_logprobs,
 )
-from posttrain.losses._enum import StrEnum
 from posttrain.runtime.config import GRPOStage
 from posttrain.runtime.context import RunContext, StageResult, eval_plan
 from posttrain.rewards import CombinedRewards, WeightedVerifier
@@ -122,57 +117,6 @@ from posttrain.stages._training import (
 )
 from posttrain.telemetry import costs, memory
 from posttrain.telemetry.phases import MAIN_WORKER
-
-
-# ---- the loss variants ---------------------------------------------------------------------------
-class GRPOLoss(StrEnum):
-    GRPO = "grpo"
-    DAPO = "dapo"
-    DR_GRPO = "dr_grpo"
-
-
-@dataclass(frozen=True)
-class LossVariant:
-    advantages: Callable[..., Tensor]  # (rewards (N,), *, group_size) → (N,)
-    aggregation: Aggregation
-    clip_low: float
-    clip_high: float
-
-
-VARIANTS: dict[GRPOLoss, LossVariant] = {
-    GRPOLoss.GRPO: LossVariant(grpo_advantages, Aggregation.SEQ_MEAN_TOKEN_MEAN, 0.2, 0.2),
-    GRPOLoss.DAPO: LossVariant(grpo_advantages, Aggregation.TOKEN_MEAN, 0.2, 0.28),
-    GRPOLoss.DR_GRPO: LossVariant(dr_grpo_advantages, Aggregation.SEQ_MEAN_TOKEN_SUM_NORM, 0.2, 0.2),
-}
-
-
-def grpo_token_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
-                    mask: Tensor, *, clip_low: float, clip_high: float, kl_coef: float) -> tuple[Tensor, Tensor, PolicyStats]:
-    """Per-token GRPO loss: clipped surrogate + kl_coef · k3(π ‖ π_ref) (DeepSeekMath eq. 3).
-
-    Shape: logprobs, old_logprobs, ref_logprobs, mask (B, T); advantages (B,). Returns the loss (B, T)
-    (0 outside the mask), the per-token k3 (B, T) (zeros without a reference) and the clip stats.
-    """
-    loss, stats = ppo_clip_loss(logprobs, old_logprobs, advantages[:, None], mask, clip_low=clip_low, clip_high=clip_high)
-    if ref_logprobs is None:
-        return loss, torch.zeros_like(loss), stats
-    kl = torch.where(mask.bool(), kl_k3(logprobs, ref_logprobs), 0.0)
-    return loss + kl_coef * kl, kl.detach(), stats
-
-
-def decoupled_grpo_token_loss(logprobs: Tensor, prox_logprobs: Tensor, behav_logprobs: Tensor, ref_logprobs: Tensor | None,
-                              advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, kl_coef: float,
-                              is_cap: float) -> tuple[Tensor, Tensor, PolicyStats, OffPolicyStats]:
-    """`grpo_token_loss` with the off-policy correction (docs/async_rl.md): the clip against the proximal
-    log-probs, each token's surrogate weighted by min(π_prox/π_behav, is_cap) (`losses.decoupled_ppo_loss`);
-    the KL term is not weighted (it is a regularizer on π_θ, not an expectation over the behaviour policy).
-    Shape: as `grpo_token_loss`, prox_logprobs and behav_logprobs (B, T). Also returns the weight stats."""
-    loss, stats, is_stats = decoupled_ppo_loss(logprobs, prox_logprobs, behav_logprobs, advantages[:, None], mask,
-                                               clip_low=clip_low, clip_high=clip_high, is_cap=is_cap)
-    if ref_logprobs is None:
-        return loss, torch.zeros_like(loss), stats, is_stats
-    kl = torch.where(mask.bool(), kl_k3(logprobs, ref_logprobs), 0.0)
-    return loss + kl_coef * kl, kl.detach(), stats, is_stats
 
 
 # ---- the rollout batch ---------------------------------------------------------------------------
@@ -492,7 +436,7 @@ def run_grpo(cfg: GRPOStage, ctx: RunContext) -> StageResult:
     if problem := data_parallel_problem(cfg, ctx.ranks.world_size):
         raise DistributedError(problem)
     tok, stage = ctx.tokenizer, cfg.folder
-    variant = VARIANTS[GRPOLoss(cfg.loss)]
+    variant = GRPO_VARIANTS[GRPOLoss(cfg.loss)]
     clip = (cfg.clip_low or variant.clip_low, cfg.clip_high or variant.clip_high)
     problems = load_problems(ctx, cfg.data, levels=cfg.levels)
     env = build_env(ctx, cfg.env, cfg.data) if cfg.env is not None else None  # episodes: the environment renders the prompts
