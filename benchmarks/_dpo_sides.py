@@ -1,6 +1,7 @@
 """DPO step time and peak memory: our `dpo` stage vs TRL `DPOTrainer`, each side in its own subprocess.
 
     python benchmarks/_dpo_sides.py --side posttrain-bf16 --model DIR --pairs FILE --max-len 320   # one side, a JSON line
+    python benchmarks/_dpo_sides.py --side posttrain-bf16 … --sdpa-from 512   # the attention kernel's SDPA crossover moved
 
 `benchmarks/scaling.py` drives it (pairs of 64 / 256 / 1,024 tokens); `benchmarks/vs_trl.py --only dpo`
 is the older in-process comparison at the world's own short pairs. Both sides: the same weights, the same
@@ -188,7 +189,13 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=320)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--sdpa-from", type=int, help="ours: keys per query from which the shared-prefix attention runs "
+                                                  "through SDPA (posttrain.models.prefix_attention.SDPA_FROM; an A/B)")
     a = ap.parse_args()
+    if a.sdpa_from is not None:
+        from posttrain.models import prefix_attention
+
+        prefix_attention.SDPA_FROM = a.sdpa_from
     import os
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

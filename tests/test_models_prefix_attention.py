@@ -169,3 +169,44 @@ def test_a_row_that_is_not_the_segments_width_is_an_error(tokenizer):
     segments = Segments(prefixes=((0, 3),), slots=(((3, 2), (5, 2)),))  # 7 columns
     with shared_prefix(model), pytest.raises(ValueError, match="one packed row of 7 columns"):
         model(input_ids=ids, attention_mask=torch.ones(1, 1, 1, 10, dtype=torch.bool), segments=segments)
+
+
+def test_the_matmul_path_keeps_its_probabilities_only_in_the_values_dtype():
+    """Under bf16 the softmax's fp32 output is not kept for the backward (eager attention keeps it beside
+    the bf16 copy): every saved tensor of the probabilities' size is bf16; the gradients match eager's
+    two matmuls and fp32 softmax to bf16 round-off, and in fp32 they match it to fp32 round-off."""
+    g = torch.Generator().manual_seed(0)
+    m, length, keys, hq, hkv, d = 3, 5, 9, 4, 2, 8
+    allowed = torch.rand(m, 1, 1, length, keys, generator=g) > 0.3
+    allowed[..., 0] = True
+    bucket = prefix_attention._Bucket(m, length, keys, False, torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")))
+    base = [torch.randn(m * n, h, d, generator=g) for n, h in ((length, hq), (keys, hkv), (keys, hkv))]
+
+    def eager(q, k, v):  # the pre-`_Softmax` form: fp32 softmax kept by autograd, cast after
+        group = hq // hkv
+        qq = q.view(m, length, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(m, hkv, group * length, d)
+        kk, vv = (t.view(m, keys, hkv, d).transpose(1, 2) for t in (k, v))
+        scores = torch.matmul(qq, kk.transpose(-1, -2)).view(m, hkv, group, length, keys)
+        probs = torch.softmax(scores.float() * 0.3 + bucket.mask, dim=-1).to(v.dtype)
+        out = torch.matmul(probs.view(m, hkv, group * length, keys), vv)
+        return out.view(m, hq, length, d).transpose(1, 2).reshape(m * length, hq, d)
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        runs = []
+        for fn in (eager, lambda q, k, v: prefix_attention._matmul_bucket(bucket, q, k, v, 0.3, 0.0)):
+            inputs = [t.detach().to(dtype).clone().requires_grad_() for t in base]
+            saved: list[torch.Tensor] = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                out = fn(*inputs)
+            out.float().square().sum().backward()
+            runs.append((out, [t.grad for t in inputs], saved))
+        (ref, ref_grads, ref_saved), (ours, grads, saved) = runs
+        probs_size = m * hq * length * keys
+        if dtype is torch.bfloat16:
+            assert any(t.dtype == torch.float32 and t.numel() == probs_size for t in ref_saved)  # what eager keeps
+            assert all(t.dtype == torch.bfloat16 for t in saved if t.numel() == probs_size)
+            assert sum(t.numel() * t.element_size() for t in saved) < sum(t.numel() * t.element_size() for t in ref_saved)
+        torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+        assert all(a is not None for a in grads + ref_grads)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, atol=tol * 4, rtol=tol * 4)

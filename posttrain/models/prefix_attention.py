@@ -34,11 +34,13 @@ gather per layer copies every bucket's queries, keys and values out of the row (
 prompt's then its own), one gather puts the outputs back in column order; a bucket's products are padded
 to its longest. Three ways to compute a bucket, picked by its key length:
 - short (fewer than `SDPA_FROM` keys): two matmuls and an fp32 softmax, GQA as the rows of one matmul
-  per KV head (as transformers' eager attention); the probabilities (queries × keys, fp32) are kept for
-  the backward;
+  per KV head (as transformers' eager attention); the probabilities (queries × keys) are kept for the
+  backward in the values' dtype only (`_Softmax`; eager attention keeps an fp32 copy as well);
 - long: `F.scaled_dot_product_attention` under a boolean mask (PyTorch's fused flash kernel on a CPU,
   and on CUDA); it keeps one log-sum-exp per query, not the probabilities (at 512-token completions kept
-  fp32 probabilities were 1.4 GB on tiny-30m);
+  fp32 probabilities were 1.4 GB on tiny-30m). With `SDPA_FROM` at `CAUSAL_FROM` (the default) no bucket
+  takes this way: the matmuls, once their fp32 copy was gone, were faster up to 256 keys at every shape
+  measured and even at 528 (docs/performance.md); it is there for a lower `SDPA_FROM`;
 - very long (from `CAUSAL_FROM` keys): SDPA with `is_causal` and no mask, each slot's product run as the
   square [its prompt | itself] — its prompt's queries computed again and their outputs dropped (the
   prompt's own product gives them) — padded at the end, which a causal product never reads. The kernel
@@ -66,9 +68,10 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 NAME = "posttrain_shared_prefix"
-# keys per query at or above which a product goes through SDPA (docs above; the crossover measured by
-# benchmarks/prefix_attention.py on this project's CPU lies between 144 and 256 keys)
-SDPA_FROM = 256
+# keys per query at or above which a product goes through SDPA (docs above). benchmarks/prefix_attention.py,
+# after `_Softmax`: the matmuls 0.17-0.72 of masked SDPA's time up to 256 keys, 1.06 at 528 (where the causal
+# squares take over); the DPO stage at 256-token pairs 15% faster a step with this at 512 than at 256
+SDPA_FROM = 512
 # keys per query from which an SDPA bucket runs as causal squares (docs above; measured at 264, 528, 1,022)
 CAUSAL_FROM = 512
 # padding (query × key elements) worth one more bucket: an estimate of a bucket's fixed cost (about a dozen
@@ -166,9 +169,37 @@ def _plan(segments: Segments, sdpa_from: int, causal_from: int, pad_budget: int,
     return _Plan(tuple(buckets), torch.cat(q_index).to(device), torch.cat(k_index).to(device), out_index.to(device))
 
 
+class _Softmax(torch.autograd.Function):
+    """probs = softmax(scores · scaling + bias) in fp32, returned in `dtype` and kept only in it for the backward.
+
+    Eager attention under autocast keeps the fp32 probabilities (the softmax's saved output) and their
+    `dtype` copy (the value product's): three bytes in every five are the fp32 copy. The backward here takes
+    the softmax gradient (`aten._softmax_backward_data`, which accumulates in fp32) from the `dtype`
+    probabilities the value product holds anyway, and writes it in that dtype: in fp32 the same
+    probabilities and the same gradient; in bf16 the probabilities rounded as the value product already
+    reads them, and no fp32 temporary of the (…, L, S) size in either pass (the forward's are made in
+    place). The scores' gradient is rounded to their dtype either way."""
+
+    @staticmethod
+    def forward(ctx, scores: Tensor, bias: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
+        x = scores.float()
+        x = x.mul_(scaling) if x is not scores else x * scaling  # never write into the caller's scores
+        probs = torch.softmax(x.add_(bias), dim=-1).to(dtype)
+        ctx.save_for_backward(probs)
+        ctx.scaling, ctx.scores_dtype = scaling, scores.dtype
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (probs,) = ctx.saved_tensors
+        g = torch.ops.aten._softmax_backward_data(grad.to(probs.dtype), probs, -1, probs.dtype)
+        return g.mul_(ctx.scaling).to(ctx.scores_dtype), None, None, None
+
+
 def _matmul_bucket(bucket: _Bucket, q: Tensor, k: Tensor, v: Tensor, scaling: float, dropout: float) -> Tensor:
-    """A bucket of short products: two matmuls and an fp32 softmax (as transformers' eager attention),
-    GQA as the rows of one matmul per KV head. Shapes: q (M·L, Hq, D); k, v (M·S, Hkv, D) → (M·L, Hq, D)."""
+    """A bucket of short products: two matmuls and an fp32 softmax (as transformers' eager attention), its
+    probabilities kept in the values' dtype (`_Softmax`), GQA as the rows of one matmul per KV head.
+    Shapes: q (M·L, Hq, D); k, v (M·S, Hkv, D) → (M·L, Hq, D)."""
     m, length, keys = bucket.m, bucket.length, bucket.keys
     _, hq, d = q.shape
     hkv = k.shape[1]
@@ -176,7 +207,7 @@ def _matmul_bucket(bucket: _Bucket, q: Tensor, k: Tensor, v: Tensor, scaling: fl
     q = q.view(m, length, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(m, hkv, group * length, d)
     k, v = (t.view(m, keys, hkv, d).transpose(1, 2) for t in (k, v))                    # (M, Hkv, S, D)
     scores = torch.matmul(q, k.transpose(-1, -2)).view(m, hkv, group, length, keys)
-    probs = torch.softmax(scores.float() * scaling + bucket.mask, dim=-1).to(v.dtype)
+    probs = _Softmax.apply(scores, bucket.mask, scaling, v.dtype)
     if dropout > 0:
         probs = F.dropout(probs, p=dropout, training=True)
     out = torch.matmul(probs.view(m, hkv, group * length, keys), v)                     # (M, Hkv, g·L, D)
