@@ -1,5 +1,5 @@
-"""The shared-prefix attention kernel's three ways of computing its products, side by side: matmuls with a
-kept fp32 softmax, fused SDPA under a boolean mask, and fused SDPA over causal squares [prompt | slot]
+"""The shared-prefix attention kernel's three ways of computing its products, side by side: matmuls and an
+fp32 softmax (probabilities kept in bf16), fused SDPA under a boolean mask, and fused SDPA over causal squares [prompt | slot]
 with no mask (posttrain/models/prefix_attention.py).
 
 One attention call, forward + backward, bf16, the shapes of tiny-30m (8 query heads, 4 KV heads, head
