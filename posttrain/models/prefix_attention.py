@@ -35,7 +35,9 @@ prompt's then its own), one gather puts the outputs back in column order; a buck
 to its longest. Three ways to compute a bucket, picked by its key length:
 - short (fewer than `SDPA_FROM` keys): two matmuls and an fp32 softmax, GQA as the rows of one matmul
   per KV head (as transformers' eager attention); the probabilities (queries × keys) are kept for the
-  backward in the values' dtype only (`_Softmax`; eager attention keeps an fp32 copy as well);
+  backward in the values' dtype only (`_Softmax`; eager attention keeps an fp32 copy as well). In bf16 on
+  a CPU the softmax and its backward are one C pass each (`native.softmax`), each query's mask given as
+  the count of keys it attends (always a prefix of its product's keys);
 - long: `F.scaled_dot_product_attention` under a boolean mask (PyTorch's fused flash kernel on a CPU,
   and on CUDA); it keeps one log-sum-exp per query, not the probabilities (at 512-token completions kept
   fp32 probabilities were 1.4 GB on tiny-30m). With `SDPA_FROM` at `CAUSAL_FROM` (the default) no bucket
@@ -66,6 +68,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
+
+from posttrain.native import softmax as softmax_kernel
 
 NAME = "posttrain_shared_prefix"
 # keys per query at or above which a product goes through SDPA (docs above). benchmarks/prefix_attention.py,
@@ -103,6 +107,8 @@ class _Bucket(NamedTuple):
     mask: Tensor | None  # which keys each (real or padding) query attends, no row empty: SDPA's (M, 1, L, S)
                          # bool, the softmax's (M, 1, 1, L, S) fp32 bias (0 or −inf); None: causal squares
                          # (L = S, from `CAUSAL_FROM` keys)
+    limit: Tensor | None = None  # the softmax's mask as counts: every query attends a prefix of its keys,
+                                 # [0, limit) (M, L) int32, for the C kernel (`native.softmax`)
 
 
 class _Plan(NamedTuple):
@@ -162,8 +168,12 @@ def _plan(segments: Segments, sdpa_from: int, causal_from: int, pad_budget: int,
             at += length
         allowed = torch.stack([(k[None] < ctx) | ((k[None] - ctx <= i[:, None]) & (k[None] - ctx < n))
                                for _, n, _, ctx in members])[:, None]
-        mask = allowed if keys >= sdpa_from else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, :, None]
-        buckets.append(_Bucket(len(members), length, keys, keys >= sdpa_from, mask.to(device)))
+        if keys >= sdpa_from:
+            buckets.append(_Bucket(len(members), length, keys, True, allowed.to(device)))
+            continue
+        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, :, None]
+        limit = allowed[:, 0].sum(-1, dtype=torch.int32)  # a prefix: (k < ctx) | (k − ctx ≤ min(i, n − 1))
+        buckets.append(_Bucket(len(members), length, keys, False, bias.to(device), limit.to(device)))
     out_index = torch.empty(segments.width, dtype=torch.long)
     out_index[torch.cat(cols)] = torch.cat(rows)
     return _Plan(tuple(buckets), torch.cat(q_index).to(device), torch.cat(k_index).to(device), out_index.to(device))
@@ -174,26 +184,38 @@ class _Softmax(torch.autograd.Function):
 
     Eager attention under autocast keeps the fp32 probabilities (the softmax's saved output) and their
     `dtype` copy (the value product's): three bytes in every five are the fp32 copy. The backward here takes
-    the softmax gradient (`aten._softmax_backward_data`, which accumulates in fp32) from the `dtype`
-    probabilities the value product holds anyway, and writes it in that dtype: in fp32 the same
-    probabilities and the same gradient; in bf16 the probabilities rounded as the value product already
-    reads them, and no fp32 temporary of the (…, L, S) size in either pass (the forward's are made in
-    place). The scores' gradient is rounded to their dtype either way."""
+    the softmax gradient from the `dtype` probabilities the value product holds anyway, and writes it in
+    that dtype: in fp32 the same probabilities and the same gradient; in bf16 the probabilities rounded as
+    the value product already reads them. The scores' gradient is rounded to their dtype either way.
+
+    bf16 scores on a CPU go through the C kernel (`native.softmax`: one pass each way, the mask as
+    per-query key counts `limit`), else through PyTorch ops — `aten._softmax_backward_data` accumulates
+    in fp32 — with no fp32 temporary of the (…, L, S) size in the backward and in-place ones in the
+    forward. The two agree within one bf16 rounding (tests/test_native_softmax.py)."""
 
     @staticmethod
-    def forward(ctx, scores: Tensor, bias: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
+    def forward(ctx, scores: Tensor, bias: Tensor, limit: Tensor | None, scaling: float, dtype: torch.dtype) -> Tensor:
+        m, hkv, group, length, keys = scores.shape
+        lib = softmax_kernel.usable(scores.view(m, hkv * group, length, keys), limit) if dtype == torch.bfloat16 else None
+        ctx.scaling, ctx.scores_dtype, ctx.lib = scaling, scores.dtype, lib
+        if lib is not None:
+            probs = softmax_kernel.forward(lib, scores.view(m, hkv * group, length, keys), limit, scaling)
+            ctx.save_for_backward(probs, limit)
+            return probs.view(scores.shape)
         x = scores.float()
         x = x.mul_(scaling) if x is not scores else x * scaling  # never write into the caller's scores
         probs = torch.softmax(x.add_(bias), dim=-1).to(dtype)
-        ctx.save_for_backward(probs)
-        ctx.scaling, ctx.scores_dtype = scaling, scores.dtype
+        ctx.save_for_backward(probs, None)
         return probs
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        (probs,) = ctx.saved_tensors
+        probs, limit = ctx.saved_tensors
+        if ctx.lib is not None:
+            g = softmax_kernel.backward(ctx.lib, probs, grad.reshape(probs.shape), limit, ctx.scaling)
+            return g.view(grad.shape), None, None, None, None
         g = torch.ops.aten._softmax_backward_data(grad.to(probs.dtype), probs, -1, probs.dtype)
-        return g.mul_(ctx.scaling).to(ctx.scores_dtype), None, None, None
+        return g.mul_(ctx.scaling).to(ctx.scores_dtype), None, None, None, None
 
 
 def _matmul_bucket(bucket: _Bucket, q: Tensor, k: Tensor, v: Tensor, scaling: float, dropout: float) -> Tensor:
@@ -207,7 +229,7 @@ def _matmul_bucket(bucket: _Bucket, q: Tensor, k: Tensor, v: Tensor, scaling: fl
     q = q.view(m, length, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(m, hkv, group * length, d)
     k, v = (t.view(m, keys, hkv, d).transpose(1, 2) for t in (k, v))                    # (M, Hkv, S, D)
     scores = torch.matmul(q, k.transpose(-1, -2)).view(m, hkv, group, length, keys)
-    probs = _Softmax.apply(scores, bucket.mask, scaling, v.dtype)
+    probs = _Softmax.apply(scores, bucket.mask, bucket.limit, scaling, v.dtype)
     if dropout > 0:
         probs = F.dropout(probs, p=dropout, training=True)
     out = torch.matmul(probs.view(m, hkv, group * length, keys), v)                     # (M, Hkv, g·L, D)

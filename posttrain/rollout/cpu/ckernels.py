@@ -13,84 +13,35 @@ measures beside MKL's and oneDNN's. On the 2-core AMD EPYC, 64 rows × tiny-30m'
 caches, one layer's attention takes ~0.4–0.5 ms against ~0.8–0.9 ms for the six ops
 (benchmarks/README.md has the measurements).
 
-The source ships with the package and is built on first use with the system C compiler
-(`$CC`, else `cc`): `-O3 -march=native -fopenmp`, into `<cache_dir>/kernels/`, named by a hash of the
-source, the flags, the compiler's version and the CPU — a fresh build whenever one of them changes,
-~0.6 s once per machine. `-fopenmp` links `libgomp.so.1`, which resolves to the copy PyTorch already
-loaded, so the kernel shares PyTorch's OpenMP thread pool. No compiler, a failed build or
-`POSTTRAIN_C_KERNELS=0` leave the PyTorch ops in place (a warning says why, once per process).
+The source ships with the package and is built on first use by `posttrain.native` (the build, its
+cache and its fallback are described there). No compiler, a failed build or `POSTTRAIN_C_KERNELS=0`
+leave the PyTorch ops in place (a warning says why, once per process).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import warnings
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-from posttrain.telemetry.devices import cache_dir, cpu_name
+from posttrain import native
+from posttrain.native import ENV_DISABLE, BuildError
 
-ENV_DISABLE = "POSTTRAIN_C_KERNELS"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+__all__ = ["ENV_DISABLE", "BuildError", "build", "decode_library", "gemm_library", "supports"]
 MAX_HEAD_DIM, MAX_GROUP = 512, 64  # the C source's limits
 _loaded: dict[bool, ctypes.CDLL | None] = {}
-
-
-class BuildError(RuntimeError):
-    pass
 
 
 def _source() -> bytes:
     return resources.files("posttrain.rollout.cpu").joinpath("kernels/decode.c").read_bytes()
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
 def build(generic: bool = False) -> Path:
-    """Compile the decode kernels (or find them built); the path of the shared library.
-
-    `generic` builds the plain-C loops even where AVX-512 is there (the tests check both paths).
-    Raises `BuildError` with the compiler's message when it cannot.
-    """
-    cc = _compiler()
-    if cc is None:
-        raise BuildError("no C compiler ($CC, cc or gcc) on PATH")
-    flags = [*FLAGS, *(["-DPOSTTRAIN_GENERIC"] if generic else [])]
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise BuildError(f"{cc} --version failed: {err}") from err
-    source = _source()
-    digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
-                                        cpu_name().encode()])).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"decode-{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    src = target.with_suffix(f".{os.getpid()}.c")
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        src.write_bytes(source)
-        done = subprocess.run([cc, *flags, "-o", str(tmp), str(src), "-lm"], capture_output=True, text=True,
-                              timeout=300)
-        if done.returncode != 0:
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
-            raise BuildError(f"{cc} {' '.join(flags)} failed (exit {done.returncode}):\n{tail}")
-        tmp.replace(target)  # whole or not at all: a concurrent build renames the same bytes
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise BuildError(f"building {target.name} with {cc}: {err}") from err
-    finally:
-        src.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
-    return target
+    """Compile the decode kernels (or find them built); the path of the shared library (`native.build`)."""
+    return native.build("decode", _source(), generic)
 
 
 _I, _P, _N, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_float
@@ -111,24 +62,12 @@ SIGNATURES = {  # name: (result, arguments), as in kernels/decode.c
 }
 
 
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    for name, (result, arguments) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = result, list(arguments)
-    return lib
-
-
 def decode_library(generic: bool = False) -> ctypes.CDLL | None:
     """The loaded kernel library, or None where it cannot be built (warned once) or is turned off."""
     if os.environ.get(ENV_DISABLE) == "0":
         return None
     if generic not in _loaded:
-        try:
-            _loaded[generic] = _bind(ctypes.CDLL(str(build(generic))))
-        except (BuildError, OSError) as err:
-            warnings.warn(f"posttrain: the C decode kernels are unavailable, using PyTorch ops ({err})",
-                          RuntimeWarning, stacklevel=2)
-            _loaded[generic] = None
+        _loaded[generic] = native.load("decode", _source(), SIGNATURES, generic, "decode")
     return _loaded[generic]
 
 

@@ -25,21 +25,12 @@
  * row's max, and exp is a degree-6 polynomial after Cody–Waite reduction by ln 2 (relative error
  * ~2e-7), 0 below e^-87.3.
  *
- * Built by posttrain/rollout/ckernels.py with the machine's compiler (-O3 -march=native -fopenmp);
+ * Built by posttrain/native (for posttrain/rollout/cpu/ckernels.py) with the machine's compiler (-O3 -march=native -fopenmp);
  * OpenMP resolves to the runtime PyTorch already loaded, so both share one thread pool. With AVX-512
  * (F, BW, VL) the loops are vector code written out; without it (or with -DPOSTTRAIN_GENERIC) the
  * same loops are plain C that the compiler vectorises as it can.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#include <omp.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(POSTTRAIN_GENERIC)
-#include <immintrin.h>
-#define USE_AVX512 1
-#else
-#define USE_AVX512 0
-#endif
+/* posttrain/native/kernels/common.h comes first: includes, USE_AVX512, bf16 casts, exp, load16/store16 */
 
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP 64
@@ -49,74 +40,6 @@
                               and 32 measured slower on the AMD EPYC */
 #endif
 
-static inline float bf16_to_f32(uint16_t b) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)b << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as PyTorch casts; NaN stays NaN */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-/* e^x for x <= 0 (a score minus its row's max) */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.3f) return 0.0f;
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, x));
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r + 1.0f);
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
-
-#if USE_AVX512
-static inline __m512 exp16_nonpositive(__m512 x) {
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
-}
-#endif
-
-#if USE_AVX512
-/* 16 values (the first n) of a fp32 or bf16 array, as fp32; the rest 0 */
-static inline __m512 load16(const void *base, long i, int bf16, int n) {
-    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)base + i);
-    __m256i b = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
-/* the first n of 16 fp32 values into a fp32 or bf16 array (bf16: round to nearest even; no NaN here) */
-static inline void store16(void *base, long i, int bf16, int n, __m512 v) {
-    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-    if (!bf16) { _mm512_mask_storeu_ps((float *)base + i, m, v); return; }
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(u));
-}
-#endif
 
 /* One of the row's head vectors (`col` is its first column in qkv), as fp32, rotated and scaled
  * unless `plain`. */
