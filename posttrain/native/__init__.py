@@ -57,7 +57,8 @@ def build(name: str, source: bytes, generic: bool = False) -> Path:
         raise BuildError("no C compiler ($CC, cc or gcc) on PATH")
     flags = [*FLAGS, *(["-DPOSTTRAIN_GENERIC"] if generic else [])]
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30,
+                                 check=False).stdout
     except (OSError, subprocess.TimeoutExpired) as err:
         raise BuildError(f"{cc} --version failed: {err}") from err
     unit = _common() + b"\n" + source
@@ -71,7 +72,7 @@ def build(name: str, source: bytes, generic: bool = False) -> Path:
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
     try:
         src.write_bytes(unit)
-        done = subprocess.run([cc, *flags, "-o", str(tmp), str(src), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, "-o", str(tmp), str(src), "-lm"], capture_output=True, text=True, check=False,
                               timeout=300)
         if done.returncode != 0:
             tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])

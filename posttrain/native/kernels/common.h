@@ -3,9 +3,9 @@
  *
  * bf16 <-> fp32 as PyTorch casts, e^x for x <= 0 (a score minus its row's max: a degree-6 polynomial after
  * Cody-Waite reduction by ln 2, relative error ~2e-7, 0 below e^-87.3), and with AVX-512 (F, BW, VL) the
- * 16-wide forms and masked loads and stores of fp32 or bf16 arrays (USE_AVX512). Without AVX-512 but with
- * AVX2 and FMA, 8-wide forms (USE_AVX2) for the kernels that have such a path. With -DPOSTTRAIN_GENERIC
- * both are 0 and the kernels take their plain-C loops (the tests check those against the vector code).
+ * 16-wide forms and masked loads and stores of fp32 or bf16 arrays (USE_AVX512); with AVX2 and FMA (AVX-512
+ * CPUs have them too) 8-wide forms (USE_AVX2). With -DPOSTTRAIN_GENERIC both are 0 and the kernels take
+ * their plain-C loops (the tests check those against the vector code).
  */
 #include <math.h>
 #include <stdint.h>
@@ -17,9 +17,9 @@
 #else
 #define USE_AVX512 0
 #endif
-#if !USE_AVX512 && defined(__AVX2__) && defined(__FMA__) && !defined(POSTTRAIN_GENERIC)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(POSTTRAIN_GENERIC)
 #include <immintrin.h>
-#define USE_AVX2 1 /* the 8-wide forms below, for kernels that have an AVX2 path */
+#define USE_AVX2 1 /* the 8-wide forms below, for kernels that have an AVX2 path (AVX-512 CPUs have AVX2) */
 #else
 #define USE_AVX2 0
 #endif

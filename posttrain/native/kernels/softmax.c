@@ -12,6 +12,9 @@
  * exp, sum and divide), keys at or past the limit get 0. The backward writes
  * scale · p · (g − Σ p·g) with the sum and products in fp32 and one rounding to bf16. S is at most
  * MAX_KEYS (a row's exponentials wait in a stack buffer between the sum and the divide).
+ *
+ * With AVX2 and FMA the rows run 8 wide (on AVX-512 CPUs too: one vector path, the one tested on the
+ * machines that build it), the tail of each row and CPUs without AVX2 in plain C.
  */
 #define MAX_KEYS 16384
 
@@ -26,28 +29,6 @@ static void softmax_row(const uint16_t *x, int lim, int S, float scale, uint16_t
         memset(p, 0, sizeof(uint16_t) * (size_t)S);
         return;
     }
-#if USE_AVX512
-    const __m512 vs = _mm512_set1_ps(scale);
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int i = 0; i < lim; i += 16) {
-        const int n = lim - i;
-        const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-        vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_mul_ps(load16(x, i, 1, n), vs));
-    }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 vsum = _mm512_setzero_ps();
-    for (int i = 0; i < lim; i += 16) {
-        const int n = lim - i;
-        const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-        __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_mul_ps(load16(x, i, 1, n), vs), top));
-        e = _mm512_maskz_mov_ps(m, e);
-        vsum = _mm512_add_ps(vsum, e);
-        _mm512_storeu_ps(buf + i, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-    for (int i = 0; i < lim; i += 16)
-        store16(p, i, 1, lim - i, _mm512_mul_ps(_mm512_loadu_ps(buf + i), inv));
-#else
     int i = 0;
     float top = -INFINITY, sum = 0.0f;
 #if USE_AVX2
@@ -82,24 +63,10 @@ static void softmax_row(const uint16_t *x, int lim, int S, float scale, uint16_t
     for (; i + 8 <= lim; i += 8) store8_bf16(p + i, _mm256_mul_ps(_mm256_loadu_ps(buf + i), vinv));
 #endif
     for (; i < lim; i++) p[i] = f32_to_bf16(buf[i] * inv);
-#endif
     if (lim < S) memset(p + lim, 0, sizeof(uint16_t) * (size_t)(S - lim));
 }
 
 static void softmax_backward_row(const uint16_t *p, const uint16_t *g, int lim, int S, float scale, uint16_t *out) {
-#if USE_AVX512
-    __m512 vdot = _mm512_setzero_ps();
-    for (int i = 0; i < lim; i += 16) {
-        const int n = lim - i;
-        vdot = _mm512_fmadd_ps(load16(p, i, 1, n), load16(g, i, 1, n), vdot);
-    }
-    const __m512 dot = _mm512_set1_ps(_mm512_reduce_add_ps(vdot)), vs = _mm512_set1_ps(scale);
-    for (int i = 0; i < lim; i += 16) {
-        const int n = lim - i;
-        const __m512 pv = _mm512_mul_ps(load16(p, i, 1, n), vs);
-        store16(out, i, 1, n, _mm512_mul_ps(pv, _mm512_sub_ps(load16(g, i, 1, n), dot)));
-    }
-#else
     int i = 0;
     float dot = 0.0f;
 #if USE_AVX2
@@ -117,7 +84,6 @@ static void softmax_backward_row(const uint16_t *p, const uint16_t *g, int lim, 
     }
 #endif
     for (; i < lim; i++) out[i] = f32_to_bf16(bf16_to_f32(p[i]) * scale * (bf16_to_f32(g[i]) - dot));
-#endif
     if (lim < S) memset(out + lim, 0, sizeof(uint16_t) * (size_t)(S - lim));
 }
 
@@ -148,6 +114,6 @@ int posttrain_masked_softmax_backward_bf16(long M, int H, int L, int S, const ui
     return 0;
 }
 
-int posttrain_softmax_vector_path(void) { return USE_AVX512 ? 512 : (USE_AVX2 ? 256 : 0); }
+int posttrain_softmax_vector_path(void) { return USE_AVX2; }
 
 int posttrain_softmax_max_keys(void) { return MAX_KEYS; }
