@@ -106,3 +106,18 @@ def test_device_json_round_trip():
     assert obj == {"name": "X", "kind": "cuda", "peaks": {"flops": {"bf16": 1e14}, "bytes_per_s": 1e12},
                    "source": "table: X", "dtype": "bf16"}
     assert Peaks.from_json(obj) == peaks
+
+
+def test_a_dtype_too_slow_for_the_full_size_is_measured_smaller():
+    assert devices._matmul_size(torch.float32, 2048, budget=1e9) == 2048        # fits: the full size
+    assert devices._matmul_size(torch.float32, 2048, budget=1e-9) == 256        # far too slow: the smallest
+    assert devices._matmul_size(torch.float32, 128, budget=1e-9) == 128         # never above the size asked
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_named_slow(monkeypatch):
+    monkeypatch.setattr(devices, "_onednn_bf16", lambda: False)
+    why = devices.slow_bf16_reason("cpu")
+    assert why is not None and "bf16" in why and "fp32" in why
+    monkeypatch.setattr(devices, "_onednn_bf16", lambda: True)
+    assert devices.slow_bf16_reason("cpu") is None
+    assert devices.slow_bf16_reason("meta") is None                             # a CPU question only

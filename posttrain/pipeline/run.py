@@ -58,6 +58,7 @@ from posttrain.stages._constitution import produced_paths as constitution_output
 from posttrain.stages.constitutional_rl import run_constitutional_rl
 from posttrain.stages.constitutional_sl import run_constitutional_sl
 from posttrain.telemetry import JsonlSink, MetricSink, Telemetry
+from posttrain.telemetry.devices import slow_bf16_reason
 from posttrain.telemetry.ranks import RankTelemetry
 from posttrain.telemetry.revision import Announcer
 
@@ -286,6 +287,8 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
                                                                                int(recipe.heap_keep_mib * 2**20))):
         console.print(f"[yellow]mmap_threshold_mib: not applied — {why}[/]")
     device = ranks.device(recipe.device)
+    if recipe.dtype == "bf16" and ranks.is_main and (why := slow_bf16_reason(device)):
+        console.print(f"[yellow]dtype: bf16 — {why}; dtype: fp32 trains faster on this machine[/]")
 
     t0 = time.perf_counter()
     tc = recipe.telemetry

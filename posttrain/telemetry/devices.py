@@ -314,6 +314,41 @@ def _best_rate(fn: Any, work: float, seconds: float, best: float = 0.0, warm_up:
     return best
 
 
+def _matmul_size(dtype: torch.dtype, largest: int, budget: float, smallest: int = 256) -> int:
+    """The matmul size to measure `dtype` at: `largest`, or where one product there would take longer than
+    `budget` (a dtype without fast instructions: bf16 on an AVX2 CPU runs ~20× below fp32, a 2048² product
+    in about 12 s), the largest power of two from `smallest` whose product fits, by the rate of a
+    `smallest`² probe."""
+    probe = min(smallest, largest)
+    a = torch.randn(probe, probe).to(dtype)
+    torch.matmul(a, a)
+    t = time.perf_counter()
+    torch.matmul(a, a)
+    rate = 2.0 * probe**3 / max(time.perf_counter() - t, 1e-9)
+    n = largest
+    while n > smallest and 2.0 * n**3 / rate > budget:
+        n //= 2
+    return n
+
+
+def slow_bf16_reason(device: torch.device | str) -> str | None:
+    """Why bf16 matmuls run far below fp32 on this device, or None. On a CPU PyTorch's bf16 matmuls are fast
+    where oneDNN has bf16 instructions (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX); without them they take a
+    reference path: ~1.4 GFLOP/s against fp32's ~35 on an AVX2 AMD EPYC (6 Dec 2026, 1 thread)."""
+    if torch.device(device).type != "cpu" or _onednn_bf16():
+        return None
+    return (f"this CPU has no bf16 matmul instructions PyTorch can use (its vector level: "
+            f"{torch.backends.cpu.get_cpu_capability()}), so bf16 matmuls run on a slow path, far below fp32 "
+            f"(`posttrain roofline --measure` shows both)")
+
+
+def _onednn_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: no way to tell, say nothing
+        return True
+
+
 def measure_cpu_peaks(*, matmul_n: int = 2048, stream_mib: int = 256, seconds_each: float = 1.0,
                       dtypes: tuple[str, ...] = ("fp32", "bf16"), rounds: int = 3, save: bool = True) -> Peaks:
     """Measure this CPU's roofs with torch, at the current `torch.get_num_threads()`.
@@ -325,20 +360,22 @@ def measure_cpu_peaks(*, matmul_n: int = 2048, stream_mib: int = 256, seconds_ea
     `seconds_each / rounds` a turn) so a burst of other work on a shared machine depresses one turn,
     not one figure; the best of all turns is kept, and so is a better figure from an earlier
     measurement at the same thread count (a roof is a maximum). The load average before and after is
-    recorded with the figures, and the source says when the machine was busy. Takes about
-    `seconds_each` × (len(dtypes) + 1) seconds. Saved to `cache_path()` unless `save=False`.
+    recorded with the figures, and the source says when the machine was busy. A dtype whose `matmul_n`
+    product would take longer than `seconds_each` is measured at a smaller size (`_matmul_size`; the source
+    says so). Takes about `seconds_each` × (len(dtypes) + 1) seconds. Saved to `cache_path()` unless `save=False`.
     """
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     before = machine_load()
-    mats = {d: (torch.randn(matmul_n, matmul_n).to(torch_dtype[d]), torch.randn(matmul_n, matmul_n).to(torch_dtype[d]))
+    turn = seconds_each / max(1, rounds)
+    sizes = {d: _matmul_size(torch_dtype[d], matmul_n, seconds_each) for d in dtypes}
+    mats = {d: (torch.randn(sizes[d], sizes[d]).to(torch_dtype[d]), torch.randn(sizes[d], sizes[d]).to(torch_dtype[d]))
             for d in dtypes}
     x = torch.ones(stream_mib * 2**20 // 4, dtype=torch.float32)
     flops = dict.fromkeys(dtypes, 0.0)
     bandwidth = 0.0
-    turn = seconds_each / max(1, rounds)
     for k in range(max(1, rounds)):
         for d, (a, b) in mats.items():
-            flops[d] = _best_rate(lambda a=a, b=b: torch.matmul(a, b), 2.0 * matmul_n**3, turn, flops[d], k == 0)
+            flops[d] = _best_rate(lambda a=a, b=b: torch.matmul(a, b), 2.0 * sizes[d]**3, turn, flops[d], k == 0)
         bandwidth = _best_rate(lambda: x.sum(), float(x.numel() * 4), turn, bandwidth, k == 0)
     after = machine_load()
     threads = torch.get_num_threads()
@@ -356,8 +393,9 @@ def measure_cpu_peaks(*, matmul_n: int = 2048, stream_mib: int = 256, seconds_ea
             kept.append("bandwidth")
     load = {k: max(before[k], after[k]) for k in before}
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    notes = [f"matmul {matmul_n}x{matmul_n} per dtype and a streaming read (sum() over {stream_mib} MiB fp32) "
-             f"interleaved over {rounds} rounds, best of repeats ({seconds_each:g}s each)",
+    smaller = "".join(f", {d} at {n}x{n} (slow here)" for d, n in sizes.items() if n < matmul_n)
+    notes = [f"matmul {matmul_n}x{matmul_n} per dtype{smaller} and a streaming read (sum() over {stream_mib} MiB "
+             f"fp32) interleaved over {rounds} rounds, best of repeats ({seconds_each:g}s each)",
              f"at {stamp}, load average {load['load_1m']:.1f} on {load['cores']:.0f} cores"
              + (" — a busy machine: the roofs may read low, and are lifted when a phase exceeds them"
                 if load["load_per_core"] >= BUSY_PER_CORE else "")]
