@@ -1,19 +1,23 @@
-"""The shared-prefix attention kernel's three ways of computing its products, side by side: matmuls and an
-fp32 softmax (probabilities kept in bf16), fused SDPA under a boolean mask, and fused SDPA over causal squares [prompt | slot]
-with no mask (posttrain/models/prefix_attention.py).
+"""The shared-prefix attention kernel's ways of computing its products, side by side: matmuls and an fp32
+softmax (probabilities kept in bf16; the softmax in one C pass each way, `native.softmax`), the same with
+the softmax in PyTorch ops (`matmul-torch`), fused SDPA under a boolean mask, and fused SDPA over causal
+squares [prompt | slot] with no mask (posttrain/models/prefix_attention.py).
 
 One attention call, forward + backward, bf16, the shapes of tiny-30m (8 query heads, 4 KV heads, head
 dim 64): GRPO groups (2 rows × G 8, 16-token prompt, N-token slots) and DPO pairs (8 pairs as groups of
-two), every group packed into one row with its completions at length N (`Segments`). Times: CPU seconds, the median of `--reps` calls, the two ways interleaved in one process. Memory:
-the peak resident set each way adds, each measured in its own subprocess (`--memory`).
+two), every group packed into one row with its completions at length N (`Segments`). Times: CPU seconds,
+the median of `--reps` calls, the ways interleaved in one process (each rep starts at the next way).
+Memory: the peak resident set each way adds, each measured in its own subprocess (`--memory`).
 
     python benchmarks/prefix_attention.py --threads 1 --reps 5 --memory
+    python benchmarks/prefix_attention.py --threads 1 --reps 5 --ways matmul matmul-torch
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -21,9 +25,11 @@ import time
 
 import torch
 
+from posttrain import native
 from posttrain.models import prefix_attention
 
 HQ, HKV, D = 8, 4, 64
+WAYS = ("matmul", "sdpa", "causal", "matmul-torch")
 SHAPES = [  # (label, rows, slots, prefix, slot length)
     ("grpo N=32", 2, 8, 16, 32), ("grpo N=128", 2, 8, 16, 128), ("grpo N=192", 2, 8, 16, 192),
     ("grpo N=240", 2, 8, 16, 240), ("grpo N=512", 2, 8, 16, 512),
@@ -37,8 +43,10 @@ class _Module:
 
 def call(way: str, rows: int, slots: int, prefix: int, n: int, reps: int = 1) -> list[float]:
     """CPU seconds of `reps` forward + backward calls, `way` forced through the thresholds."""
-    prefix_attention.SDPA_FROM = 10**9 if way == "matmul" else 1
+    prefix_attention.SDPA_FROM = 10**9 if way.startswith("matmul") else 1
     prefix_attention.CAUSAL_FROM = 1 if way == "causal" else 10**9
+    # "matmul-torch": the matmul way with its softmax in PyTorch ops, not the C kernel (native.softmax)
+    os.environ[native.ENV_DISABLE] = "0" if way == "matmul-torch" else "1"
     group = prefix + slots * n
     segments = prefix_attention.Segments(
         prefixes=tuple((r * group, prefix) for r in range(rows)),
@@ -68,6 +76,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--memory", action="store_true", help="also the peak memory each way adds (subprocesses)")
+    ap.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS),
+                    help="which ways, the first the one the others are divided by")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: "way,rows,slots,prefix,n" → peak MiB added
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -77,25 +87,27 @@ def main() -> None:
         call(way, *map(int, dims))
         print(json.dumps((_high_water_kib() - base) / 1024))
         return
-    ways = ("matmul", "sdpa", "causal")
-    print("| shape | keys per slot query | matmul ms | sdpa ms | causal ms | matmul / sdpa | causal / sdpa |"
-          + (" peak MiB matmul / sdpa / causal |" if a.memory else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|" if a.memory else ""))
+    ways = tuple(a.ways)
+    print("| shape | keys per slot query | " + " | ".join(f"{w} ms" for w in ways) + " | "
+          + " | ".join(f"{w} / {ways[0]}" for w in ways[1:]) + " |"
+          + (f" peak MiB {' / '.join(ways)} |" if a.memory else ""))
+    print("|---|---|" + "---|" * (2 * len(ways) - 1) + ("---|" if a.memory else ""))
     for label, rows, slots, prefix, n in SHAPES:
         times: dict[str, list[float]] = {w: [] for w in ways}
-        call("matmul", rows, slots, prefix, n)  # warm-up
+        call(ways[0], rows, slots, prefix, n)  # warm-up
         for rep in range(a.reps):
-            for way in ways[rep % 3:] + ways[:rep % 3]:
+            k = rep % len(ways)
+            for way in ways[k:] + ways[:k]:
                 times[way] += call(way, rows, slots, prefix, n)
-        mm, sd, ca = (statistics.median(times[w]) * 1e3 for w in ways)
-        row = f"| {label} | {prefix + n} | {mm:.1f} | {sd:.1f} | {ca:.1f} | {mm / sd:.2f} | {ca / sd:.2f} |"
+        ms = [statistics.median(times[w]) * 1e3 for w in ways]
+        row = (f"| {label} | {prefix + n} | " + " | ".join(f"{t:.1f}" for t in ms) + " | "
+               + " | ".join(f"{t / ms[0]:.2f}" for t in ms[1:]) + " |")
         if a.memory:
             mem = [json.loads(subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--one",
                                               f"{w},{rows},{slots},{prefix},{n}"], capture_output=True, text=True,
                                              check=True).stdout) for w in ways]
-            row += f" {mem[0]:.0f} / {mem[1]:.0f} / {mem[2]:.0f} |"
+            row += " " + " / ".join(f"{m:.0f}" for m in mem) + " |"
         print(row, flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -216,8 +216,11 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from posttrain.telemetry.devices import measure_cpu_peaks
+    from posttrain.telemetry.devices import measure_cpu_peaks, slow_bf16_reason
 
+    if why := slow_bf16_reason("cpu"):  # every side is bf16: hours of matmuls on a slow path, and no verdict
+        sys.exit(f"scaling.py: every side here trains in bf16, and {why}. The comparison is meaningful only "
+                 f"where bf16 is fast (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX); run it there.")
     cases = a.cases or [c for c in GRPO_CASES + DPO_CASES if a.only is None or c.startswith("dpo") == (a.only == "dpo")]
     unknown = sorted(set(cases) - set(GRPO_CASES + DPO_CASES))
     if unknown:
