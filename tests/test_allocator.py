@@ -4,6 +4,7 @@ threshold, the heap keeps what it frees up to `keep_bytes`, and hands the rest b
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 import sys
@@ -44,20 +45,29 @@ def test_none_leaves_the_allocator_alone():
 # In a fresh interpreter, mmap threshold 1 MiB, the heap told to keep argv[1] bytes: hold 100 tensors of
 # 512 KiB (heap blocks, touched), free them all. Prints the MiB the resident set fell by.
 KEEP_PROBE = """
-import sys, torch, psutil
+import ctypes, json, sys, torch, psutil
 from posttrain.runtime.allocator import set_mmap_threshold
 assert set_mmap_threshold(1 << 20, int(sys.argv[1])) is None
 rss = lambda: psutil.Process().memory_info().rss / 2**20
 held = [torch.ones(1 << 17) for _ in range(100)]   # 100 × 512 KiB
 before = rss()
 del held
-print(before - rss())
+fell = before - rss()
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+mallinfo2.restype = Info
+print(json.dumps([fell, mallinfo2().keepcost / 2**20]))  # keepcost: the free top chunk, what a trim could hand back
 """
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_the_heap_keeps_freed_blocks_up_to_keep_bytes():
-    fell = {keep: float(subprocess.run([sys.executable, "-c", KEEP_PROBE, str(keep)], capture_output=True, text=True,
-                                       check=True).stdout) for keep in (2 << 20, 1 << 30)}
-    assert fell[2 << 20] > 40, fell   # 50 MiB freed at the heap's top, more than 2 MiB of it handed back
-    assert fell[1 << 30] < 5, fell    # kept for the next step's tensors
+    out = {keep: json.loads(subprocess.run([sys.executable, "-c", KEEP_PROBE, str(keep)], capture_output=True,
+                                           text=True, check=True).stdout) for keep in (2 << 20, 1 << 30)}
+    (fell_small, _), (fell_large, top_large) = out[2 << 20], out[1 << 30]
+    if fell_small < 1 and top_large < 40:  # something the process allocated after the tensors sits above them
+        pytest.skip(f"the freed blocks were not at the heap's top in this environment ({out}): nothing to trim")
+    assert fell_small > 40, out   # 50 MiB freed at the heap's top, more than 2 MiB of it handed back
+    assert fell_large < 5, out    # kept for the next step's tensors
+    assert top_large > 40, out    # ... as the free top chunk
