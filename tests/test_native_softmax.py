@@ -23,7 +23,7 @@ BF16_ROUNDING = 2 ** -8  # one rounding to bf16: relative error at most 2^-9, tw
 def lib(request):
     got = softmax_kernel.library(generic=request.param)
     if got is None:
-        pytest.skip("no C compiler: the PyTorch ops run instead (test_a_failed_build_falls_back)")
+        pytest.skip("no C compiler: the PyTorch ops run instead (test_a_failed_build_falls_back_with_a_warning_and_the_switch_turns_it_off)")
     return got
 
 
