@@ -4,12 +4,14 @@ seconds of a forward + backward and the bytes autograd keeps for the backward.
 tiny-30m (`_vs_trl_grpo.prepare`, random init), DPO's shape: 8 pairs of `L`-token sequences (a quarter
 prompt), one packed row through `stages._packing.pair_logps` and the shared-prefix kernel, bf16 autocast
 over fp32 weights, exactly as the `dpo` stage runs its policy forward. Three arms — neither fused, the
-norm fused (`models/fused_norm.py`), the norm and the MLP (`models/fused_mlp.py`, what `load_model` installs)
+norm fused (`models/fused_norm.py`), the norm and the MLP (`models/fused_mlp.py`, what `load_model` installs),
+and the same with the MLP's elementwise backward in PyTorch's ops instead of the C kernel (`native/swiglu.py`)
 — switched by the modules' classes on one model, their order rotating from repetition to repetition.
 Times: the median of `--reps` calls (CPU seconds). Saved: the bytes of every tensor autograd keeps for the
 backward (`torch.autograd.graph.saved_tensors_hooks`), which is what the step's activation memory is made of.
 
     python benchmarks/fused_layers.py --threads 1 --reps 5
+    python benchmarks/fused_layers.py --threads 1 --reps 9 --lengths 64 256 --arms norm+mlp norm+mlp-torch
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import torch
 
 from posttrain.data.encoding import EncodedCompletion
 from posttrain.models import fused_mlp, fused_norm, load_model
+from posttrain.native import swiglu
 from posttrain.stages._packing import pair_logps
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _vs_trl_grpo as grpo_sides  # noqa: E402
 
-ARMS = ("neither", "norm", "norm+mlp")
+ARMS = ("neither", "norm", "norm+mlp", "norm+mlp-torch")
+_USABLE = swiglu.usable
 
 
 def pairs_of(length: int, n: int = 8, vocab: int = 436, seed: int = 0) -> list[tuple[EncodedCompletion, EncodedCompletion]]:
@@ -59,7 +63,8 @@ class Arms:
         self.classes = {id(m): (type(m), type(m).__mro__[1]) for m in self.norms + self.mlps}
 
     def set(self, arm: str) -> None:
-        for modules, on in ((self.norms, arm != "neither"), (self.mlps, arm == "norm+mlp")):
+        swiglu.usable = (lambda *a: None) if arm.endswith("-torch") else _USABLE
+        for modules, on in ((self.norms, arm != "neither"), (self.mlps, arm.startswith("norm+mlp"))):
             for m in modules:
                 fused, own = self.classes[id(m)]
                 m.__class__ = fused if on else own
@@ -92,7 +97,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     args = ap.parse_args()
+    chosen = tuple(args.arms)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         model_dir, _ = grpo_sides.prepare(Path(folder), max_seq_len=1280)
@@ -105,17 +112,17 @@ def main() -> None:
     for length in args.lengths:
         pairs = pairs_of(length)
         tokens = sum(len(a.input_ids) + len(b.input_ids) - a.prompt_len for a, b in pairs)
-        saved, times = {}, {a: [] for a in ARMS}
-        for arm in ARMS:
+        saved, times = {}, {a: [] for a in chosen}
+        for arm in chosen:
             arms.set(arm)
             saved[arm] = saved_mib(model, pairs)
             forward_backward(model, pairs)  # warm the heap and the kernels' caches for this shape
         for rep in range(args.reps):
-            order = ARMS[rep % 3:] + ARMS[:rep % 3]
+            order = chosen[rep % len(chosen):] + chosen[:rep % len(chosen)]
             for arm in order:
                 arms.set(arm)
                 times[arm].append(forward_backward(model, pairs))
-        for arm in ARMS:
+        for arm in chosen:
             t = times[arm]
             print(f"| {length} | {tokens} | {arm} | {statistics.median(t):.3f} | {', '.join(f'{x:.2f}' for x in t)} "
                   f"| {saved[arm]:.0f} |", flush=True)
