@@ -5,7 +5,8 @@ tiny-30m (`_vs_trl_grpo.prepare`, random init), DPO's shape: 8 pairs of `L`-toke
 prompt), one packed row through `stages._packing.pair_logps` and the shared-prefix kernel, bf16 autocast
 over fp32 weights, exactly as the `dpo` stage runs its policy forward. Three arms — neither fused, the
 norm fused (`models/fused_norm.py`), the norm and the MLP (`models/fused_mlp.py`, what `load_model` installs),
-and the same with the MLP's elementwise backward in PyTorch's ops instead of the C kernel (`native/swiglu.py`)
+and the same with the norm's and the MLP's backward in PyTorch's ops instead of the C kernels
+(`native/rmsnorm.py`, `native/swiglu.py`)
 — switched by the modules' classes on one model, their order rotating from repetition to repetition.
 Times: the median of `--reps` calls (CPU seconds). Saved: the bytes of every tensor autograd keeps for the
 backward (`torch.autograd.graph.saved_tensors_hooks`), which is what the step's activation memory is made of.
@@ -28,14 +29,14 @@ import torch
 
 from posttrain.data.encoding import EncodedCompletion
 from posttrain.models import fused_mlp, fused_norm, load_model
-from posttrain.native import swiglu
+from posttrain.native import rmsnorm, swiglu
 from posttrain.stages._packing import pair_logps
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _vs_trl_grpo as grpo_sides  # noqa: E402
 
 ARMS = ("neither", "norm", "norm+mlp", "norm+mlp-torch")
-_USABLE = swiglu.usable
+_USABLE = swiglu.usable, rmsnorm.usable
 
 
 def pairs_of(length: int, n: int = 8, vocab: int = 436, seed: int = 0) -> list[tuple[EncodedCompletion, EncodedCompletion]]:
@@ -63,7 +64,7 @@ class Arms:
         self.classes = {id(m): (type(m), type(m).__mro__[1]) for m in self.norms + self.mlps}
 
     def set(self, arm: str) -> None:
-        swiglu.usable = (lambda *a: None) if arm.endswith("-torch") else _USABLE
+        swiglu.usable, rmsnorm.usable = ((lambda *a: None),) * 2 if arm.endswith("-torch") else _USABLE
         for modules, on in ((self.norms, arm != "neither"), (self.mlps, arm.startswith("norm+mlp"))):
             for m in modules:
                 fused, own = self.classes[id(m)]

@@ -7,7 +7,9 @@ every linear that reads it: three times before q/k/v, twice before gate/up, each
 for that linear's backward. `install(model)` routes each such norm module through `_RMSNorm` (by
 switching it to a subclass of its own class): the same arithmetic in the same order (the forward is bit-identical to `transformers` + the
 cast), one output in the autocast dtype that every reader shares, and only the input and one reciprocal
-RMS per row kept for the backward, which recomputes the rest.
+RMS per row kept for the backward, which recomputes the rest. On a CPU that backward is one pass over each
+row in C (`native/rmsnorm.py`: at DPO's 256-token pairs 1.3 ms against the PyTorch ops' 12.6 per norm, 21
+norms a step); the PyTorch ops below are its reference and fallback.
 
 Measured (tiny-30m, bf16, 1 thread, before and after alternated, each in its own process): the DPO stage
 at 64-token pairs 1.35–1.38 → 1.19–1.20 s a step and 1,449–1,462 → 1,320–1,364 MiB peak; at 1,024-token
@@ -30,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.models import _fused
+from posttrain.native import rmsnorm
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -44,6 +47,11 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         x, weight, rstd = ctx.saved_tensors
+        lib = rmsnorm.usable(x, weight, rstd, grad)
+        if lib is not None:  # one pass over each row in C (native/rmsnorm.py); the ops below are its reference
+            grad_x, grad_w = rmsnorm.backward(lib, x, weight, rstd, grad, need_x=ctx.needs_input_grad[0],
+                                              need_w=ctx.needs_input_grad[1])
+            return grad_x, grad_w, None, None
         grad = grad.to(x.dtype)
         x_hat = x * rstd
         grad_w = (grad * x_hat).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None

@@ -1,0 +1,64 @@
+"""The fused RMSNorm's backward in one pass over each row (kernels/rmsnorm.c), fp32 rows.
+
+`models/fused_norm.py` (`_RMSNorm`) calls it where the saved input is fp32 on a CPU (the residual stream under
+autocast over fp32 weights) and the library is there; its PyTorch ops (eight elementwise passes and two
+reductions) are the reference and the fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from importlib import resources
+
+import torch
+from torch import Tensor
+
+from posttrain import native
+
+_I, _P, _N = ctypes.c_int, ctypes.c_void_p, ctypes.c_long
+SIGNATURES: native.Signatures = {  # name: (result, arguments), as in kernels/rmsnorm.c
+    "posttrain_rms_norm_backward": (_I, (_N, _I, _P, _P, _P, _P, _I, _P, _P, _I)),
+}
+_loaded: dict[bool, ctypes.CDLL | None] = {}
+
+
+def _source() -> bytes:
+    return resources.files("posttrain.native").joinpath("kernels/rmsnorm.c").read_bytes()
+
+
+def library(generic: bool = False) -> ctypes.CDLL | None:
+    """The loaded library, or None where it cannot be built (warned once) or is turned off."""
+    if os.environ.get(native.ENV_DISABLE) == "0":
+        return None
+    if generic not in _loaded:
+        _loaded[generic] = native.load("rmsnorm", _source(), SIGNATURES, generic, "RMSNorm")
+    return _loaded[generic]
+
+
+def usable(x: Tensor, weight: Tensor, rstd: Tensor, grad: Tensor) -> ctypes.CDLL | None:
+    """The library, where it takes these: x, weight, rstd fp32 and grad fp32 or bf16, on a CPU, x and grad of
+    one shape (…, D), weight (D,), rstd (…, 1)."""
+    if not (x.dtype == weight.dtype == rstd.dtype == torch.float32 and grad.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == weight.device.type == rstd.device.type == grad.device.type == "cpu"
+            and x.dim() >= 1 and grad.shape == x.shape and weight.shape == x.shape[-1:]
+            and rstd.shape == (*x.shape[:-1], 1)):
+        return None
+    return library()
+
+
+def backward(lib: ctypes.CDLL, x: Tensor, weight: Tensor, rstd: Tensor, grad: Tensor, *, need_x: bool = True,
+             need_w: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    """(The input's gradient, fp32 of x's shape, where `need_x`; the weight's, fp32 (D,), where `need_w`)."""
+    x, weight, rstd, grad = (t.contiguous() for t in (x, weight, rstd, grad))
+    d = x.shape[-1]
+    grad_x = torch.empty_like(x) if need_x else None
+    grad_w = torch.empty_like(weight) if need_w else None
+    code = lib.posttrain_rms_norm_backward(x.numel() // max(d, 1), d, x.data_ptr(), weight.data_ptr(), rstd.data_ptr(),
+                                           grad.data_ptr(), int(grad.dtype == torch.bfloat16),
+                                           grad_x.data_ptr() if grad_x is not None else None,
+                                           grad_w.data_ptr() if grad_w is not None else None, torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"posttrain: the C RMSNorm backward failed (code {code}); "
+                           f"set {native.ENV_DISABLE}=0 to use the PyTorch ops")
+    return grad_x, grad_w
