@@ -45,8 +45,9 @@ def test_none_leaves_the_allocator_alone():
 # In a fresh interpreter, mmap threshold 1 MiB, the heap told to keep argv[1] bytes: malloc 100 blocks of
 # 512 KiB (heap blocks, touched), free them all. Prints, in MiB: how far the resident set fell, how far the
 # heap's sbrk'd arena shrank, and the free top chunk left (what a trim could still hand back). PyTorch's CPU
-# allocator calls the same malloc; the probe calls it directly, and reads the resident set through a file
-# opened beforehand, so that nothing it allocates on the way lands above the blocks and pins them.
+# allocator calls the same malloc; the probe calls it directly, keeps the pointers in an array allocated
+# beforehand and reads the resident set through a file opened beforehand, so that nothing it allocates on
+# the way lands among the blocks and pins them below the heap's top.
 KEEP_PROBE = """
 import ctypes, json, os, sys
 from posttrain.runtime.allocator import set_mmap_threshold
@@ -61,12 +62,13 @@ libc.free.argtypes = [ctypes.c_void_p]
 statm, page = os.open("/proc/self/statm", os.O_RDONLY), os.sysconf("SC_PAGE_SIZE")
 rss = lambda: int(os.pread(statm, 100, 0).split()[1]) * page / 2**20
 rss()
-held = [libc.malloc(512 << 10) for _ in range(100)]
-for p in held:
-    ctypes.memset(p, 1, 512 << 10)
+held = (ctypes.c_void_p * 100)()   # the pointers' array, allocated before the blocks: a growing list's would land among them
+for i in range(100):
+    held[i] = libc.malloc(512 << 10)
+    ctypes.memset(held[i], 1, 512 << 10)
 before, arena = rss(), libc.mallinfo2().arena
-for p in held:
-    libc.free(p)
+for i in range(100):
+    libc.free(held[i])
 after = libc.mallinfo2()
 print(json.dumps([before - rss(), (arena - after.arena) / 2**20, after.keepcost / 2**20]))
 """
