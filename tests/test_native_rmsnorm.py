@@ -107,7 +107,7 @@ def test_inputs_it_does_not_take_go_through_pytorch():
 def test_a_failed_build_falls_back_with_a_warning_and_the_switch_turns_it_off(tmp_path, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    monkeypatch.setattr(rmsnorm, "_loaded", {})
+    monkeypatch.setattr(rmsnorm.LIBRARY, "_loaded", {})
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert rmsnorm.library() is None
@@ -116,7 +116,7 @@ def test_a_failed_build_falls_back_with_a_warning_and_the_switch_turns_it_off(tm
     xx = x.clone().requires_grad_(True)
     fused_norm.rms_norm(xx, w, 1e-5, torch.bfloat16).backward(grad)  # the PyTorch ops
     assert torch.isfinite(xx.grad).all()
-    monkeypatch.setattr(rmsnorm, "_loaded", {})
+    monkeypatch.setattr(rmsnorm.LIBRARY, "_loaded", {})
     monkeypatch.delenv("CC")
     monkeypatch.setenv(native.ENV_DISABLE, "0")
     assert rmsnorm.library() is None

@@ -131,14 +131,14 @@ def test_scores_it_does_not_take_go_through_pytorch():
 def test_a_failed_build_falls_back_with_a_warning_and_the_switch_turns_it_off(tmp_path, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    monkeypatch.setattr(softmax_kernel, "_loaded", {})
+    monkeypatch.setattr(softmax_kernel.LIBRARY, "_loaded", {})
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert softmax_kernel.library() is None
     assert any("C softmax kernels are unavailable" in str(w.message) for w in seen)
     scores, limit, _ = _case()
     assert softmax_kernel.usable(scores, limit) is None
-    monkeypatch.setattr(softmax_kernel, "_loaded", {})
+    monkeypatch.setattr(softmax_kernel.LIBRARY, "_loaded", {})
     monkeypatch.delenv("CC")
     monkeypatch.setenv(native.ENV_DISABLE, "0")
     assert softmax_kernel.library() is None

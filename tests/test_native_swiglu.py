@@ -131,7 +131,7 @@ def test_tensors_it_does_not_take_go_through_pytorch():
 def test_a_failed_build_falls_back_with_a_warning_and_the_switch_turns_it_off(tmp_path, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    monkeypatch.setattr(swiglu, "_loaded", {})
+    monkeypatch.setattr(swiglu.LIBRARY, "_loaded", {})
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert swiglu.library() is None
@@ -141,7 +141,7 @@ def test_a_failed_build_falls_back_with_a_warning_and_the_switch_turns_it_off(tm
     gate.requires_grad_(True)
     fused_mlp.silu_mul(gate, up).backward(grad)   # the PyTorch ops
     assert torch.equal(gate.grad, torch.ops.aten.silu_backward(grad * up, gate.detach()))
-    monkeypatch.setattr(swiglu, "_loaded", {})
+    monkeypatch.setattr(swiglu.LIBRARY, "_loaded", {})
     monkeypatch.delenv("CC")
     monkeypatch.setenv(native.ENV_DISABLE, "0")
     assert swiglu.library() is None

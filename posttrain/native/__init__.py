@@ -2,11 +2,14 @@
 
 Each kernel stands beside a plain PyTorch path that stays the reference (its tests compare the two) and
 the fallback: no C compiler, a failed build or `POSTTRAIN_C_KERNELS=0` leave the PyTorch ops in place,
-with a warning that says why, once per library and process. Two libraries use this:
+with a warning that says why, once per library and process. The libraries:
 - `decode` (posttrain/rollout/cpu/kernels/decode.c, through `rollout/cpu/ckernels.py`): the CPU decode
   step's attention, norms, SwiGLU and packed matmuls;
 - `softmax` (kernels/softmax.c, through `native/softmax.py`): the training attention's masked softmax
-  and its backward, bf16 in and out (`models/prefix_attention.py`).
+  and its backward, bf16 in and out (`models/prefix_attention.py`);
+- `swiglu` (kernels/swiglu.c, `native/swiglu.py`): the gated MLP's elementwise backward (`models/fused_mlp.py`);
+- `rmsnorm` (kernels/rmsnorm.c, `native/rmsnorm.py`): the fused RMSNorm's backward (`models/fused_norm.py`).
+The last three are `Library` objects: built and loaded on first use, once per build kind.
 
 A source is built as one translation unit behind `kernels/common.h` (bf16 casts, exp, the AVX-512
 loads and stores) with the system C compiler (`$CC`, else `cc`, else `gcc`): `-O3 -march=native
@@ -102,3 +105,23 @@ def load(name: str, source: bytes, signatures: Signatures, generic: bool, what: 
         fn = getattr(lib, fn_name)
         fn.restype, fn.argtypes = result, list(arguments)
     return lib
+
+
+class Library:
+    """One kernel source under kernels/, built and loaded on first use, once per build kind (the vector code
+    where the CPU has it, or `generic`: the plain-C loops), with its functions' signatures bound."""
+
+    def __init__(self, name: str, signatures: Signatures, what: str):
+        self.name, self.signatures, self.what = name, signatures, what
+        self._loaded: dict[bool, ctypes.CDLL | None] = {}
+
+    def source(self) -> bytes:
+        return resources.files("posttrain.native").joinpath(f"kernels/{self.name}.c").read_bytes()
+
+    def get(self, generic: bool = False) -> ctypes.CDLL | None:
+        """The loaded library, or None where it cannot be built (warned once) or is turned off."""
+        if os.environ.get(ENV_DISABLE) == "0":
+            return None
+        if generic not in self._loaded:
+            self._loaded[generic] = load(self.name, self.source(), self.signatures, generic, self.what)
+        return self._loaded[generic]

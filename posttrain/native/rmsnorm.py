@@ -8,8 +8,6 @@ reductions) are the reference and the fallback.
 from __future__ import annotations
 
 import ctypes
-import os
-from importlib import resources
 
 import torch
 from torch import Tensor
@@ -20,20 +18,12 @@ _I, _P, _N = ctypes.c_int, ctypes.c_void_p, ctypes.c_long
 SIGNATURES: native.Signatures = {  # name: (result, arguments), as in kernels/rmsnorm.c
     "posttrain_rms_norm_backward": (_I, (_N, _I, _P, _P, _P, _P, _I, _P, _P, _I)),
 }
-_loaded: dict[bool, ctypes.CDLL | None] = {}
-
-
-def _source() -> bytes:
-    return resources.files("posttrain.native").joinpath("kernels/rmsnorm.c").read_bytes()
+LIBRARY = native.Library("rmsnorm", SIGNATURES, "RMSNorm")
 
 
 def library(generic: bool = False) -> ctypes.CDLL | None:
     """The loaded library, or None where it cannot be built (warned once) or is turned off."""
-    if os.environ.get(native.ENV_DISABLE) == "0":
-        return None
-    if generic not in _loaded:
-        _loaded[generic] = native.load("rmsnorm", _source(), SIGNATURES, generic, "RMSNorm")
-    return _loaded[generic]
+    return LIBRARY.get(generic)
 
 
 def usable(x: Tensor, weight: Tensor, rstd: Tensor, grad: Tensor) -> ctypes.CDLL | None:

@@ -8,8 +8,6 @@ given as one count per (product, query): `limit` (M, L) int32 for scores of shap
 from __future__ import annotations
 
 import ctypes
-import os
-from importlib import resources
 
 import torch
 from torch import Tensor
@@ -23,20 +21,12 @@ SIGNATURES: native.Signatures = {  # name: (result, arguments), as in kernels/so
     "posttrain_softmax_vector_path": (_I, ()),
     "posttrain_softmax_max_keys": (_I, ()),
 }
-_loaded: dict[bool, ctypes.CDLL | None] = {}
-
-
-def _source() -> bytes:
-    return resources.files("posttrain.native").joinpath("kernels/softmax.c").read_bytes()
+LIBRARY = native.Library("softmax", SIGNATURES, "softmax")
 
 
 def library(generic: bool = False) -> ctypes.CDLL | None:
-    """The loaded softmax library, or None where it cannot be built (warned once) or is turned off."""
-    if os.environ.get(native.ENV_DISABLE) == "0":
-        return None
-    if generic not in _loaded:
-        _loaded[generic] = native.load("softmax", _source(), SIGNATURES, generic, "softmax")
-    return _loaded[generic]
+    """The loaded library, or None where it cannot be built (warned once) or is turned off."""
+    return LIBRARY.get(generic)
 
 
 def usable(scores: Tensor, limit: Tensor | None) -> ctypes.CDLL | None:

@@ -8,8 +8,6 @@ five intermediate-width temporaries) are the reference and the fallback.
 from __future__ import annotations
 
 import ctypes
-import os
-from importlib import resources
 
 import torch
 from torch import Tensor
@@ -21,20 +19,12 @@ SIGNATURES: native.Signatures = {  # name: (result, arguments), as in kernels/sw
     "posttrain_swiglu_backward_bf16": (_I, (_N, _P, _P, _P, _P, _P, _P, _I)),
     "posttrain_swiglu_vector_path": (_I, ()),
 }
-_loaded: dict[bool, ctypes.CDLL | None] = {}
-
-
-def _source() -> bytes:
-    return resources.files("posttrain.native").joinpath("kernels/swiglu.c").read_bytes()
+LIBRARY = native.Library("swiglu", SIGNATURES, "gated-MLP")
 
 
 def library(generic: bool = False) -> ctypes.CDLL | None:
     """The loaded library, or None where it cannot be built (warned once) or is turned off."""
-    if os.environ.get(native.ENV_DISABLE) == "0":
-        return None
-    if generic not in _loaded:
-        _loaded[generic] = native.load("swiglu", _source(), SIGNATURES, generic, "gated-MLP")
-    return _loaded[generic]
+    return LIBRARY.get(generic)
 
 
 def usable(gate: Tensor, up: Tensor) -> ctypes.CDLL | None:
