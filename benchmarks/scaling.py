@@ -27,7 +27,11 @@ The physical limit of a GRPO step (printed per tiny-30m case): the update's FLOP
 over the shared-prompt layout our update runs) at this CPU's measured bf16 matmul roof, plus the bytes of
 the generation (`costs.decode`: weights read once per decode step, the KV cache) at its measured streaming
 bandwidth — what no implementation on this CPU can beat; the roofs are measured at the start at the
-benchmark's thread count (`telemetry.devices.measure_cpu_peaks`). The matmul floor of a DPO step (`dpo_floor`,
+benchmark's thread count (`telemetry.devices.measure_cpu_peaks`). Beside it, the roofline limit: the same, with
+the generation at the larger of its bytes at the bandwidth and its FLOPs (`costs.decode`) at the roof. Where
+each decode step multiplies enough rows per weight read to pass the CPU's ridge point (16 rows of bf16 do 16
+FLOP per byte; this CPU's ridge is ~9), the generation is compute-bound and the first limit understates it;
+the two are equal where it is memory-bound (a GPU, or a few rows). The matmul floor of a DPO step (`dpo_floor`,
 printed per case): its update's FLOPs at the same roof, with in brackets where our step would have to be for
 1.5× TRL's fastest of that invocation.
 
@@ -84,10 +88,16 @@ def physical_limit(model_dir: Path, completion: int, completion_mean: float, pea
     update = costs.train_step(config, batch=groups, seq_len=p + grpo_sides.G * n, dtype="bf16")
     decode = costs.decode(config, batch=grpo_sides.SEQS, prompt_len=p, new_tokens=n, dtype="bf16")
     roof_f, roof_b = peaks.flops_for("bf16"), peaks.bytes_per_s
+    # the roofline's own reading of the generation: the larger of its FLOPs and its bytes. At 16 rows a bf16
+    # decode step does 16 multiply-adds per weight read (16 FLOP/B), above this CPU's ridge (roof_f / roof_b,
+    # ~9 FLOP/B here), so it is compute-bound and its bytes alone understate it
+    decode_compute_s = decode.flops / roof_f
     return {"prompt_tokens": p, "completion_tokens": n, "update_gflop": update.flops / 1e9,
-            "decode_gb": decode.bytes / 1e9, "bf16_gflops": roof_f / 1e9, "gb_per_s": roof_b / 1e9,
-            "update_s": update.flops / roof_f, "decode_s": decode.bytes / roof_b,
-            "limit_s": update.flops / roof_f + decode.bytes / roof_b}
+            "decode_gb": decode.bytes / 1e9, "decode_gflop": decode.flops / 1e9, "bf16_gflops": roof_f / 1e9,
+            "gb_per_s": roof_b / 1e9, "update_s": update.flops / roof_f, "decode_s": decode.bytes / roof_b,
+            "decode_compute_s": decode_compute_s,
+            "limit_s": update.flops / roof_f + decode.bytes / roof_b,
+            "roofline_s": update.flops / roof_f + max(decode.bytes / roof_b, decode_compute_s)}
 
 
 def dpo_floor(model_dir: Path, tokens: dict[str, float], peaks, pairs: int = 8) -> dict[str, float]:
@@ -179,7 +189,8 @@ def tables(rows: list[dict], *, threads: int, steps: int) -> str:
                              f"{s['rollout_s']:.3f} | {s['rest_s']:.3f} | {s['rollout_s'] / max(s['rest_s'], 1e-9):.2f} | "
                              f"{s['completion_tokens_mean']:.1f} | {s['peak_rss_mib']:,.0f} |")
         lines += ["", "| case | vs TRL fastest (wall / CPU) | vs TRL defaults (wall / CPU) | memory ours / TRL fastest | "
-                  "physical limit s | ours / limit |", "|---|---|---|---|---|---|"]
+                  "physical limit s | ours / limit | roofline limit s (generation at its FLOPs where larger) | "
+                  "ours / it |", "|---|---|---|---|---|---|---|---|"]
         for r in grpo:
             lines.append(summary_line(r, "grpo"))
     dpo = [r for r in rows if r["kind"] == "dpo"]
@@ -206,11 +217,13 @@ def summary_line(r: dict, kind: str) -> str:
     if limit:
         lim = (f"{limit['limit_s']:.3f} ({limit['update_gflop']:.0f} GFLOP at {limit['bf16_gflops']:.0f} GFLOP/s + "
                f"{limit['decode_gb']:.2f} GB at {limit['gb_per_s']:.1f} GB/s) | {ours['s_per_step'] / limit['limit_s']:.2f}×")
+        lim += (f" | {limit['roofline_s']:.3f} (+ max of {limit['decode_gflop']:.0f} GFLOP, {limit['decode_gb']:.2f} GB) | "
+                f"{ours['s_per_step'] / limit['roofline_s']:.2f}×" if "roofline_s" in limit else " | — | —")
     elif floor:
         lim = (f"{floor['floor_s']:.3f} ({floor['update_gflop']:.0f} GFLOP at {floor['bf16_gflops']:.0f} GFLOP/s) | "
                f"{ours['s_per_step'] / floor['floor_s']:.2f}× ({fast['s_per_step'] / 1.5 / floor['floor_s']:.2f}×)")
     else:
-        lim = "— | —"
+        lim = "— | — | — | —" if kind == "grpo" else "— | —"
     return (f"| {r['case']} | **{ratio(fast, ours, 's_per_step'):.2f}×** / {ratio(fast, ours, 'cpu_s_per_step'):.2f}× | "
             f"{ratio(dflt, ours, 's_per_step'):.2f}× / {ratio(dflt, ours, 'cpu_s_per_step'):.2f}× | "
             f"{ours['peak_rss_mib']:,.0f} / {fast['peak_rss_mib']:,.0f} = {ratio(ours, fast, 'peak_rss_mib'):.2f} | {lim} |")

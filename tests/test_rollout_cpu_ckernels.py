@@ -140,6 +140,18 @@ def test_packed_gemm_equals_the_product(lib, rows, n, k, bias, accumulate, dtype
         assert torch.allclose(out.double(), ref, rtol=2 ** -8, atol=1e-3 * k ** 0.5)
 
 
+@pytest.mark.parametrize("n, k", [(48, 8), (33, 6), (5, 2)])
+def test_bf16_packing_is_the_documented_layout(lib, n, k):
+    """packed[((c / 16)·(k/2) + p)·32 + (c % 16)·2 + i] = W[c, 2p + i], zero columns padding n to whole blocks."""
+    w = torch.randint(1, 2**15, (n, k), dtype=torch.int16).view(torch.bfloat16)  # every bit pattern nonzero
+    packed = torch.full((lib.posttrain_packed_elements(n, k),), float("nan"), dtype=torch.bfloat16)
+    assert lib.posttrain_pack_bf16(n, k, w.data_ptr(), packed.data_ptr(), 2) == 0
+    blocks = -(-n // 16)
+    padded = torch.cat([w, torch.zeros(blocks * 16 - n, k, dtype=w.dtype)])
+    want = padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(-1)
+    assert torch.equal(packed.view(torch.int16), want.view(torch.int16))
+
+
 def test_the_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
     first = ckernels.build()
