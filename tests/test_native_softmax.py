@@ -5,12 +5,10 @@ the PyTorch ops within one bf16 rounding, its per-query key counts the same mask
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 
-from posttrain import native
 from posttrain.models import prefix_attention
 from posttrain.models.prefix_attention import Segments
 from posttrain.native import softmax as softmax_kernel
@@ -23,7 +21,7 @@ BF16_ROUNDING = 2 ** -8  # one rounding to bf16: relative error at most 2^-9, tw
 def lib(request):
     got = softmax_kernel.library(generic=request.param)
     if got is None:
-        pytest.skip("no C compiler: the PyTorch ops run instead (test_a_failed_build_falls_back_with_a_warning_and_the_switch_turns_it_off)")
+        pytest.skip("no C compiler: the PyTorch ops run instead (tests/test_native_build.py)")
     return got
 
 
@@ -126,19 +124,3 @@ def test_scores_it_does_not_take_go_through_pytorch():
     assert softmax_kernel.usable(scores.transpose(-1, -2), limit) is None           # not contiguous
     wide = torch.zeros(1, 1, 1, softmax_kernel.library().posttrain_softmax_max_keys() + 1, dtype=torch.bfloat16)
     assert softmax_kernel.usable(wide, limit[:1, :1]) is None                       # past the stack buffer
-
-
-def test_a_failed_build_falls_back_with_a_warning_and_the_switch_turns_it_off(tmp_path, monkeypatch):
-    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "false")
-    monkeypatch.setattr(softmax_kernel.LIBRARY, "_loaded", {})
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        assert softmax_kernel.library() is None
-    assert any("C softmax kernels are unavailable" in str(w.message) for w in seen)
-    scores, limit, _ = _case()
-    assert softmax_kernel.usable(scores, limit) is None
-    monkeypatch.setattr(softmax_kernel.LIBRARY, "_loaded", {})
-    monkeypatch.delenv("CC")
-    monkeypatch.setenv(native.ENV_DISABLE, "0")
-    assert softmax_kernel.library() is None

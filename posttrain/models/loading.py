@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from posttrain.models import fused_mlp, fused_norm, lora
+from posttrain.models import fused_attention, fused_mlp, fused_norm, lora
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,8 +50,9 @@ def load_model(path: str | Path, *, dtype: str = "fp32", device: str | torch.dev
     """`AutoModelForCausalLM.from_pretrained` on a local folder, with a clear error when it is not one.
 
     attention: "sdpa", "eager", or "auto" (`choose_attention`, which also reads the autocast dtype
-    the model will train under). A model that will run under autocast gets its RMSNorms and gated MLPs
-    fused (`fused_norm`, `fused_mlp`: the same forward, less memory and time under autocast)."""
+    the model will train under). A model that will run under autocast gets its RMSNorms, gated MLPs and
+    attentions' rotary embeddings fused (`fused_norm`, `fused_mlp`, `fused_attention`: the same forward, less
+    memory and time under autocast)."""
     path = Path(path)
     if lora.adapter_base(path) is not None:  # a LoRA checkpoint: its base (chain) with every adapter merged
         base, adapters = lora.resolve_chain(path)
@@ -69,6 +70,7 @@ def load_model(path: str | Path, *, dtype: str = "fp32", device: str | torch.dev
     if autocast_dtype is not None:
         fused_norm.install(model)
         fused_mlp.install(model)
+        fused_attention.install(model)
     return model.to(device)
 
 

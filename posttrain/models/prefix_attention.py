@@ -259,8 +259,9 @@ def shared_prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value
     drop = dropout if module.training else 0.0
     # token-major (T, H, D): the projections' own layout, of which transformers' (1, H, T, D) is a transposed
     # view; each gather then copies whole rows and its backward adds whole rows (`index_select`/`index_add_`:
-    # 3–4× faster than the (H, T, D) gather and its `index_put_` at DPO shapes; docs/performance.md)
-    q_rows, k_rows, v_rows = (t[0].transpose(0, 1) for t in (query, key, value))
+    # 3–4× faster than the (H, T, D) gather and its `index_put_` at DPO shapes; docs/performance.md). `squeeze`,
+    # not `[0]`: a view both ways, where select's backward writes its gradient into a zero-filled copy
+    q_rows, k_rows, v_rows = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
     qs = q_rows.index_select(0, plan.q_index).split([b.m * b.length for b in plan.buckets])
     ks, vs = (t.index_select(0, plan.k_index).split([b.m * b.keys for b in plan.buckets]) for t in (k_rows, v_rows))
     outs = [(_sdpa_bucket if b.sdpa else _matmul_bucket)(b, q, k, v, scaling, drop)

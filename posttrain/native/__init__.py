@@ -8,8 +8,9 @@ with a warning that says why, once per library and process. The libraries:
 - `softmax` (kernels/softmax.c, through `native/softmax.py`): the training attention's masked softmax
   and its backward, bf16 in and out (`models/prefix_attention.py`);
 - `swiglu` (kernels/swiglu.c, `native/swiglu.py`): the gated MLP's elementwise backward (`models/fused_mlp.py`);
-- `rmsnorm` (kernels/rmsnorm.c, `native/rmsnorm.py`): the fused RMSNorm's backward (`models/fused_norm.py`).
-The last three are `Library` objects: built and loaded on first use, once per build kind.
+- `rmsnorm` (kernels/rmsnorm.c, `native/rmsnorm.py`): the fused RMSNorm's backward (`models/fused_norm.py`);
+- `rope` (kernels/rope.c, `native/rope.py`): the rotary embedding, forward and backward (`models/fused_attention.py`).
+The last four are `Library` objects: built and loaded on first use, once per build kind.
 
 A source is built as one translation unit behind `kernels/common.h` (bf16 casts, exp, the AVX-512
 loads and stores) with the system C compiler (`$CC`, else `cc`, else `gcc`): `-O3 -march=native

@@ -39,7 +39,7 @@ def sequence_logps_padded(model, seqs: list[EncodedCompletion], pad_id: int, *, 
     """The naive reference: one right-padded (B, T) forward. log π(reply | prompt), summed or
     length-normalized over reply tokens. Shape: (B,)."""
     b = collate_sft(seqs, pad_id)  # (B, T)
-    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]  # (B, T-1, V)
+    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False).logits[:, :-1]  # (B, T-1, V)
     targets = b.labels[:, 1:]
     mask = targets != -100
     logps = token_logprobs(logits, targets.clamp_min(0))  # (B, T-1)
@@ -57,7 +57,7 @@ def padded_completion_logits(model, input_ids: Tensor, attention_mask: Tensor, p
     it. Shape: (B, n, V)."""
     _require_completion(n)
     return model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                 position_ids=position_ids[:, :-1], logits_to_keep=n).logits
+                 position_ids=position_ids[:, :-1], logits_to_keep=n, use_cache=False).logits
 
 
 def first_fit(lengths: list[int], cap: int) -> list[list[int]]:
@@ -242,7 +242,7 @@ def shared_prompt_logprobs(model, input_ids: Tensor, attention_mask: Tensor, pos
     with shared_prefix(model):
         logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids,
                        attention_mask=torch.ones((1, 1, 1, width), dtype=torch.bool, device=input_ids.device),
-                       segments=lay.segments, logits_to_keep=lay.keep, use_cache=False).logits[0]  # (K, V)
+                       segments=lay.segments, logits_to_keep=lay.keep, use_cache=False).logits.squeeze(0)  # (K, V)
     groups = len(lay.segments.prefixes)
     completions = input_ids[:, prompt_len:]
     at_first = lay.pos == 0

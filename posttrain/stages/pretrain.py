@@ -30,7 +30,7 @@ def packed_stream(ctx: RunContext, cfg: PretrainStage, *, heldout: bool = False)
 
 def lm_loss(model, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL of `rows` and the number of predicted tokens."""
-    logits = model(input_ids=rows).logits[:, :-1]  # (B, T-1, V)
+    logits = model(input_ids=rows, use_cache=False).logits[:, :-1]  # (B, T-1, V)
     logps = token_logprobs(logits, rows[:, 1:])  # (B, T-1)
     loss, stats = sft_loss(logps, torch.ones_like(logps), num_tokens=1)
     return loss, int(stats.num_tokens)

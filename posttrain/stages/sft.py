@@ -56,7 +56,7 @@ def heldout_examples(ctx: RunContext, cfg: SFTStage) -> list[SFTExample]:
 def sft_batch_loss(model, encoded: list[EncodedSFT], pad_id: int, num_tokens: float) -> tuple[torch.Tensor, int]:
     """Response-token NLL of a micro-batch over the step's token count. Returns (loss, tokens)."""
     b = collate_sft(encoded, pad_id)  # (B, T) each
-    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]  # (B, T-1, V)
+    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False).logits[:, :-1]  # (B, T-1, V)
     targets = b.labels[:, 1:]
     mask = (targets != -100).to(logits.dtype)
     logps = token_logprobs(logits, targets.clamp_min(0))  # (B, T-1)
