@@ -1,9 +1,9 @@
-"""The fused RMSNorm's backward in C (`native/rmsnorm.py`, `native/kernels/rmsnorm.c`) against float64, for a
-bf16 and an fp32 incoming gradient, both builds, and its place in `fused_norm._RMSNorm`: taken for fp32 rows on
-a CPU, the same gradients as the PyTorch ops within fp32 round-off, the PyTorch ops where it is off."""
+"""The fused RMSNorm in C (`native/rmsnorm.py`, `native/kernels/rmsnorm.c`), both builds: its forward's scaling
+and cast bit-identical to the PyTorch ops, its backward against float64 for a bf16 and an fp32 incoming gradient,
+and their place in `fused_norm._RMSNorm`: taken for fp32 rows on a CPU, the same gradients as the PyTorch ops
+within fp32 round-off, the PyTorch ops where it is off."""
 
 from __future__ import annotations
-
 
 import pytest
 import torch
@@ -100,3 +100,33 @@ def test_inputs_it_does_not_take_go_through_pytorch():
     assert rmsnorm.usable(x, w, rstd, grad.half()) is None
     assert rmsnorm.usable(x, w[:-1], rstd, grad) is None
     assert rmsnorm.usable(x, w, rstd, grad[:1]) is None
+
+
+def test_the_forward_scaling_is_the_pytorch_ops_exactly(lib):
+    x, w, rstd, _ = _case(seed=5)
+    assert torch.equal(rmsnorm.scale(lib, x, w, rstd), (w * (x * rstd)).to(torch.bfloat16))
+
+
+def test_the_norm_forward_takes_it_and_the_logits_path_is_unchanged(monkeypatch):
+    if rmsnorm.library() is None:
+        pytest.skip("no C compiler")
+    x, w, _, _ = _case(seed=6)
+    calls = []
+    real = rmsnorm.scale
+    monkeypatch.setattr(rmsnorm, "scale", lambda *a: calls.append(1) or real(*a))
+    ours = fused_norm.rms_norm(x, w, 1e-5, torch.bfloat16)
+    assert calls == [1]
+    monkeypatch.setattr(rmsnorm, "usable_forward", lambda *a: None)
+    assert torch.equal(ours, fused_norm.rms_norm(x, w, 1e-5, torch.bfloat16))
+    assert fused_norm.rms_norm(x, w, 1e-5).dtype == torch.float32  # an fp32 output: the PyTorch ops
+    assert calls == [1]
+
+
+def test_forward_inputs_it_does_not_take():
+    if rmsnorm.library() is None:
+        pytest.skip("no C compiler")
+    x, w, rstd, _ = _case()
+    assert rmsnorm.usable_forward(x, w, rstd, torch.bfloat16) is not None
+    assert rmsnorm.usable_forward(x, w, rstd, torch.float16) is None             # another output dtype
+    assert rmsnorm.usable_forward(x.bfloat16(), w, rstd, torch.bfloat16) is None  # bf16 rows (Qwen3's q/k norms)
+    assert rmsnorm.usable_forward(x, w[:5], rstd, torch.bfloat16) is None         # a weight of another width

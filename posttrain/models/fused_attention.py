@@ -4,10 +4,10 @@
 rotate_half(q)·sin, the bf16 projection times fp32 angles under autocast, so five elementwise passes over each
 (tokens, heads, head_dim) tensor forward — two products promoted to fp32, a negation, a concatenation, a sum —
 and as many again backward, with slice and select gradients written into zero-filled buffers. At DPO's
-256-token pairs on tiny-30m that is 19 ms a layer, forward and backward, q and k together (1 thread).
-`_Rotary` is that rotation as one node: on a CPU, bf16 projections and fp32 angles go through a C kernel one
-pass each way (`native/rope.py`: 1.5–2 ms a layer there); elsewhere the node runs `transformers`' own ops
-forward and their gradient backward (the reference, and the fallback).
+256-token pairs on tiny-30m that is 17.4 ms a layer, forward and backward, q and k together (1 thread,
+`benchmarks/rope_kernel.py`). `_Rotary` is that rotation as one node: on a CPU, bf16 projections and fp32 angles
+go through a C kernel one pass each way (`native/rope.py`: 2.1 ms a layer there); elsewhere the node runs
+`transformers`' own ops forward and their gradient backward (the reference, and the fallback).
 
 The forward is bit-identical: each element is the two products rounded to fp32 and their sum rounded once, as
 PyTorch's two multiplies and one add compute it (kernels/rope.c keeps the compiler from fusing them), so the

@@ -8,8 +8,11 @@ for that linear's backward. `install(model)` routes each such norm module throug
 switching it to a subclass of its own class): the same arithmetic in the same order (the forward is bit-identical to `transformers` + the
 cast), one output in the autocast dtype that every reader shares, and only the input and one reciprocal
 RMS per row kept for the backward, which recomputes the rest. On a CPU that backward is one pass over each
-row in C (`native/rmsnorm.py`: at DPO's 256-token pairs 1.3 ms against the PyTorch ops' 12.6 per norm, 21
-norms a step); the PyTorch ops below are its reference and fallback.
+row in C (`native/rmsnorm.py`: at DPO's 256-token pairs 1.1 ms against the PyTorch ops' 17.2 per norm, 21
+norms a step), and so are the forward's last three passes — x · rstd, times the weight, the cast — rounded as
+those ops round, so bit-identical to them (1.9 against 2.8 ms there with rstd's own ops, which stay PyTorch's:
+their reduction order is theirs; `benchmarks/rmsnorm_kernel.py`).
+The PyTorch ops below are the kernels' reference and fallback.
 
 Measured (tiny-30m, bf16, 1 thread, before and after alternated, each in its own process): the DPO stage
 at 64-token pairs 1.35–1.38 → 1.19–1.20 s a step and 1,449–1,462 → 1,320–1,364 MiB peak; at 1,024-token
@@ -42,7 +45,12 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:
         rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (…, 1)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (x * rstd) if out_dtype == x.dtype else (weight * (x * rstd)).to(out_dtype)
+        if out_dtype == x.dtype:
+            return weight * (x * rstd)
+        lib = rmsnorm.usable_forward(x, weight, rstd, out_dtype)
+        if lib is not None:  # the scaling and the cast in one pass in C, bit-identical to the ops below
+            return rmsnorm.scale(lib, x, weight, rstd)
+        return (weight * (x * rstd)).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:

@@ -1,8 +1,10 @@
-"""The fused RMSNorm's backward in one pass over each row (kernels/rmsnorm.c), fp32 rows.
+"""The fused RMSNorm on fp32 rows in C (kernels/rmsnorm.c): the forward's scaling and cast to bf16, and the
+backward, one pass over each row each.
 
-`models/fused_norm.py` (`_RMSNorm`) calls it where the saved input is fp32 on a CPU (the residual stream under
-autocast over fp32 weights) and the library is there; its PyTorch ops (eight elementwise passes and two
-reductions) are the reference and the fallback.
+`models/fused_norm.py` (`_RMSNorm`) calls them where the input is fp32 on a CPU (the residual stream under
+autocast over fp32 weights) and the library is there; its PyTorch ops are the reference and the fallback
+(forward: x · rstd, times the weight, the cast — three passes, bit-identical to the kernel's one; backward:
+eight elementwise passes and two reductions).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from posttrain import native
 _I, _P, _N = ctypes.c_int, ctypes.c_void_p, ctypes.c_long
 SIGNATURES: native.Signatures = {  # name: (result, arguments), as in kernels/rmsnorm.c
     "posttrain_rms_norm_backward": (_I, (_N, _I, _P, _P, _P, _P, _I, _P, _P, _I)),
+    "posttrain_rms_norm_scale_bf16": (_I, (_N, _I, _P, _P, _P, _P, _I)),
 }
 LIBRARY = native.Library("rmsnorm", SIGNATURES, "RMSNorm")
 
@@ -52,3 +55,26 @@ def backward(lib: ctypes.CDLL, x: Tensor, weight: Tensor, rstd: Tensor, grad: Te
         raise RuntimeError(f"posttrain: the C RMSNorm backward failed (code {code}); "
                            f"set {native.ENV_DISABLE}=0 to use the PyTorch ops")
     return grad_x, grad_w
+
+
+def usable_forward(x: Tensor, weight: Tensor, rstd: Tensor, out_dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The library, where the forward's scaling takes these: x (…, D), weight (D,), rstd (…, 1) fp32 on a CPU,
+    a bf16 output."""
+    if not (out_dtype == torch.bfloat16 and x.dtype == weight.dtype == rstd.dtype == torch.float32
+            and x.device.type == weight.device.type == rstd.device.type == "cpu" and x.dim() >= 1
+            and weight.shape == x.shape[-1:] and rstd.shape == (*x.shape[:-1], 1)):
+        return None
+    return library()
+
+
+def scale(lib: ctypes.CDLL, x: Tensor, weight: Tensor, rstd: Tensor) -> Tensor:
+    """bf16(weight · (x · rstd)) of x's shape: exactly the PyTorch ops' result, in one pass."""
+    x, weight, rstd = (t.contiguous() for t in (x, weight, rstd))
+    d = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    code = lib.posttrain_rms_norm_scale_bf16(x.numel() // max(d, 1), d, x.data_ptr(), weight.data_ptr(),
+                                             rstd.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"posttrain: the C RMSNorm forward failed (code {code}); "
+                           f"set {native.ENV_DISABLE}=0 to use the PyTorch ops")
+    return out

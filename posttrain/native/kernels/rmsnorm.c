@@ -1,5 +1,9 @@
-/* The backward of the fused RMSNorm (posttrain/models/fused_norm.py, `_RMSNorm`): fp32 rows, the incoming
- * gradient fp32 or bf16, one pass over each row.
+/* The fused RMSNorm (posttrain/models/fused_norm.py, `_RMSNorm`) on fp32 rows: the forward's scaling and cast,
+ * and the backward, one pass over each row each.
+ *
+ * Forward: out = bf16(w · (x · rstd)), each product rounded to fp32 and the result to bf16 (round to nearest
+ * even) as PyTorch's two multiplies and its cast round them, so bit-identical to those three passes; rstd is
+ * computed by PyTorch's own ops (`pow`, `mean`, `rsqrt`: their reduction order is theirs to keep).
  *
  * With x̂ = x · rstd (rstd = 1/√(mean(x²) + eps), saved by the forward) and g = grad · w:
  *   grad_x = rstd · (g − x̂ · mean(g · x̂))      per row
@@ -66,6 +70,21 @@ int posttrain_rms_norm_backward(long rows, int D, const float *x, const float *w
             grad_w[j] = (float)s;
         }
         free(acc);
+    }
+    return 0;
+}
+
+/* rows × D: out = bf16(w · (x · rstd)) (the forward's last three passes as one); 0, or -1 for D out of range */
+int posttrain_rms_norm_scale_bf16(long rows, int D, const float *x, const float *weight, const float *rstd,
+                                  uint16_t *out, int threads) {
+    if (D <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * D;
+        const float s = rstd[r];
+        uint16_t *o = out + r * D;
+#pragma omp simd
+        for (int j = 0; j < D; j++) o[j] = f32_to_bf16(weight[j] * (xr[j] * s));
     }
     return 0;
 }
