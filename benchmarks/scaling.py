@@ -3,6 +3,7 @@
     python benchmarks/scaling.py                            # every case below, 1 thread, results in runs/bench/scaling/
     python benchmarks/scaling.py --threads 2 --steps 3      # the figures in docs/performance.md
     python benchmarks/scaling.py --only grpo --cases tiny-30m@32 smollm2@64+lora
+    python benchmarks/scaling.py --retable runs/bench/scaling/scaling.json --out runs/bench/scaling-retabled
 
 One invocation runs every case; in each case every side runs in its own subprocess (so its peak RSS,
 `VmHWM`, is its own), and the order of the sides alternates from case to case so a slow drift of a
@@ -70,7 +71,8 @@ def parse_case(case: str) -> tuple[str, int, bool]:
 
 def physical_limit(model_dir: Path, completion: int, completion_mean: float, peaks) -> dict[str, float]:
     """Seconds no implementation can beat on this CPU: update FLOPs at the bf16 roof + generation bytes at
-    the streaming bandwidth, for the step's shape (2 prompts × G 8, the measured mean completion length)."""
+    the streaming bandwidth, for the step's shape (2 prompts × G 8, each prompt prefilled once, the measured
+    mean completion length); and the roofline limit, the generation at the larger of its bytes and FLOPs."""
     from transformers import AutoConfig
 
     from posttrain.telemetry import costs
@@ -86,7 +88,10 @@ def physical_limit(model_dir: Path, completion: int, completion_mean: float, pea
     n = max(1, round(completion_mean))
     groups = grpo_sides.SEQS // grpo_sides.G
     update = costs.train_step(config, batch=groups, seq_len=p + grpo_sides.G * n, dtype="bf16")
-    decode = costs.decode(config, batch=grpo_sides.SEQS, prompt_len=p, new_tokens=n, dtype="bf16")
+    # the generation: each prompt prefilled once (as our engine does for its G samples), then 16 rows decoded
+    full = costs.decode(config, batch=grpo_sides.SEQS, prompt_len=p, new_tokens=n, dtype="bf16")
+    decode = (full + costs.prefill(config, batch=grpo_sides.SEQS, prompt_len=p, dtype="bf16") * -1.0
+              + costs.prefill(config, batch=groups, prompt_len=p, dtype="bf16"))
     roof_f, roof_b = peaks.flops_for("bf16"), peaks.bytes_per_s
     # the roofline's own reading of the generation: the larger of its FLOPs and its bytes. At 16 rows a bf16
     # decode step does 16 multiply-adds per weight read (16 FLOP/B), above this CPU's ridge (roof_f / roof_b,
@@ -249,6 +254,37 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.write_html(path, include_plotlyjs="cdn")
 
 
+class _Roofs:
+    """Roofs as an invocation recorded them (its scaling.json), where `physical_limit` reads `peaks`."""
+
+    def __init__(self, bf16_flops: float, bytes_per_s: float):
+        self.bf16_flops, self.bytes_per_s = bf16_flops, bytes_per_s
+
+    def flops_for(self, _dtype: str) -> float:
+        return self.bf16_flops
+
+
+def retable(path: Path, out: Path) -> None:
+    """The tables of an earlier invocation with its GRPO limits recomputed by the current `physical_limit` (the
+    same tiny-30m and problems `prepare` makes, the roofs and mean completion lengths that invocation recorded)."""
+    saved = json.loads(path.read_text())
+    rows = saved["rows"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_dir, _ = grpo_sides.prepare(Path(tmp) / "grpo", max_seq_len=1280)
+        for r in rows:
+            if r["kind"] == "grpo" and r.get("limit"):
+                old = r["limit"]
+                r["limit"] = physical_limit(tiny_dir, parse_case(r["case"])[1],
+                                            r["sides"]["posttrain-bf16"]["completion_tokens_mean"],
+                                            _Roofs(old["bf16_gflops"] * 1e9, old["gb_per_s"] * 1e9))
+    out.mkdir(parents=True, exist_ok=True)
+    text = tables(rows, threads=saved["threads"], steps=saved["steps"])
+    print(text)
+    (out / "scaling.md").write_text(text + "\n")
+    (out / "scaling.json").write_text(json.dumps({**saved, "rows": rows, "retabled_from": str(path)}, indent=1))
+    print(f"wrote {out}/scaling.md, scaling.json")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=("grpo", "dpo"))
@@ -256,7 +292,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="measured steps per side (after one warm-up step)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("runs/bench/scaling"))
+    ap.add_argument("--retable", type=Path, metavar="SCALING_JSON",
+                    help="no new measurement: the limits of an earlier invocation's scaling.json recomputed with this "
+                         "file's `physical_limit` (from its recorded roofs and mean lengths), its tables written to --out")
     a = ap.parse_args()
+    if a.retable is not None:
+        retable(a.retable, a.out)
+        return
     import torch
 
     from posttrain.telemetry.devices import measure_cpu_peaks, slow_bf16_reason
