@@ -142,3 +142,14 @@ def test_load_model_fuses_only_for_autocast(tmp_path):
     trained.eval()
     trained.train()  # the subclass survives transformers' re-kernelize on train()/eval()
     assert sum(map(fused_attention.is_fused, trained.modules())) == layers
+
+
+def test_a_qwen2_attention_with_projection_biases_is_bit_identical_too():
+    ref = build_tiny("tiny-1m", vocab_size=64, seed=1, arch="qwen2")
+    ours = copy.deepcopy(ref)
+    assert fused_attention.install(ours) == len(ours.model.layers)
+    assert ours.model.layers[0].self_attn.q_proj.bias is not None
+    ids = _ids()
+    (l0, g0), (l1, g1) = train_grads(ref, ids), train_grads(ours, ids)
+    assert torch.equal(l0, l1)
+    assert (g1 - g0).norm() / g0.norm() < 1e-2
