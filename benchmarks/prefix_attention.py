@@ -1,7 +1,8 @@
 """The shared-prefix attention kernel's ways of computing its products, side by side: matmuls and an fp32
 softmax (probabilities kept in bf16; the softmax in one C pass each way, `native.softmax`), the same with
 the softmax in PyTorch ops (`matmul-torch`), fused SDPA under a boolean mask, and fused SDPA over causal
-squares [prompt | slot] with no mask (posttrain/models/prefix_attention.py).
+squares [prompt | slot] with no mask; and the matmul way with each sequence's queries in blocks
+(`--block`), keeping its probabilities or computing them again in the backward (posttrain/models/prefix_attention.py).
 
 One attention call, forward + backward, bf16, the shapes of tiny-30m (8 query heads, 4 KV heads, head
 dim 64): GRPO groups (2 rows × G 8, 16-token prompt, N-token slots) and DPO pairs (8 pairs as groups of
@@ -11,6 +12,7 @@ Memory: the peak resident set each way adds, each measured in its own subprocess
 
     python benchmarks/prefix_attention.py --threads 1 --reps 5 --memory
     python benchmarks/prefix_attention.py --threads 1 --reps 5 --ways matmul matmul-torch
+    python benchmarks/prefix_attention.py --threads 1 --reps 5 --memory --ways causal blocks blocks-recomputed
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from posttrain import native
 from posttrain.models import prefix_attention
 
 HQ, HKV, D = 8, 4, 64
-WAYS = ("matmul", "sdpa", "causal", "matmul-torch")
+WAYS = ("matmul", "sdpa", "causal", "matmul-torch", "blocks", "blocks-recomputed")
+BLOCK = 128  # queries per block for the `blocks` ways (`--block`)
 SHAPES = [  # (label, rows, slots, prefix, slot length)
     ("grpo N=32", 2, 8, 16, 32), ("grpo N=128", 2, 8, 16, 128), ("grpo N=192", 2, 8, 16, 192),
     ("grpo N=240", 2, 8, 16, 240), ("grpo N=512", 2, 8, 16, 512),
@@ -43,8 +46,12 @@ class _Module:
 
 def call(way: str, rows: int, slots: int, prefix: int, n: int, reps: int = 1) -> list[float]:
     """CPU seconds of `reps` forward + backward calls, `way` forced through the thresholds."""
-    prefix_attention.SDPA_FROM = 10**9 if way.startswith("matmul") else 1
+    prefix_attention.SDPA_FROM = 1 if way in ("sdpa", "causal") else 10**9
     prefix_attention.CAUSAL_FROM = 1 if way == "causal" else 10**9
+    # "blocks": the matmul way, each sequence's queries in blocks of at most BLOCK, each block against only the
+    # keys it reads; "blocks-recomputed": the same, the probabilities computed again in the backward, not kept
+    prefix_attention.QUERY_BLOCK = BLOCK if way.startswith("blocks") else 10**9
+    prefix_attention.RECOMPUTE_FROM = 1 if way == "blocks-recomputed" else 10**9
     # "matmul-torch": the matmul way with its softmax in PyTorch ops, not the C kernel (native.softmax)
     os.environ[native.ENV_DISABLE] = "0" if way == "matmul-torch" else "1"
     group = prefix + slots * n
@@ -72,15 +79,19 @@ def _high_water_kib() -> int:
 
 
 def main() -> None:
+    global BLOCK
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--memory", action="store_true", help="also the peak memory each way adds (subprocesses)")
     ap.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS),
                     help="which ways, the first the one the others are divided by")
+    ap.add_argument("--block", type=int, default=BLOCK, help="queries per block for the `blocks` ways")
+    ap.add_argument("--shapes", nargs="+", help="only these shapes (labels as in the table, e.g. 'dpo 256')")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: "way,rows,slots,prefix,n" → peak MiB added
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    BLOCK = a.block
     if a.one:
         way, *dims = a.one.split(",")
         base = _high_water_kib()
@@ -92,7 +103,7 @@ def main() -> None:
           + " | ".join(f"{w} / {ways[0]}" for w in ways[1:]) + " |"
           + (f" peak MiB {' / '.join(ways)} |" if a.memory else ""))
     print("|---|---|" + "---|" * (2 * len(ways) - 1) + ("---|" if a.memory else ""))
-    for label, rows, slots, prefix, n in SHAPES:
+    for label, rows, slots, prefix, n in (s for s in SHAPES if not a.shapes or s[0] in a.shapes):
         times: dict[str, list[float]] = {w: [] for w in ways}
         call(ways[0], rows, slots, prefix, n)  # warm-up
         for rep in range(a.reps):
@@ -103,7 +114,7 @@ def main() -> None:
         row = (f"| {label} | {prefix + n} | " + " | ".join(f"{t:.1f}" for t in ms) + " | "
                + " | ".join(f"{t / ms[0]:.2f}" for t in ms[1:]) + " |")
         if a.memory:
-            mem = [json.loads(subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--one",
+            mem = [json.loads(subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--block", str(BLOCK), "--one",
                                               f"{w},{rows},{slots},{prefix},{n}"], capture_output=True, text=True,
                                              check=True).stdout) for w in ways]
             row += " " + " / ".join(f"{m:.0f}" for m in mem) + " |"

@@ -63,20 +63,25 @@ def test_layout_rejects_completions_that_are_not_right_padded():
         pack_groups(ids, mask, pos, p)
 
 
-@pytest.fixture(params=["matmul", "sdpa", "mixed", "causal", "causal-padded", "all-three"])
+@pytest.fixture(params=["matmul", "sdpa", "mixed", "causal", "causal-padded", "all-three", "blocks", "blocks-sdpa",
+                        "blocks-and-squares"])
 def products(request, monkeypatch):
     """Every way the kernel computes its products: all in one padded bucket through matmuls (short keys),
     every size in its own bucket through fused SDPA under a mask (long keys), both in one forward (the
     case's products have 3 to 15 keys; from 9 they go to SDPA), every product as a causal square through
     SDPA (very long keys) in buckets of one size or all in one bucket padded at the end, and all three
-    ways in one forward (matmuls below 5 keys, masked SDPA below 11, causal squares from 11) — forced by
+    ways in one forward (matmuls below 5 keys, masked SDPA below 11, causal squares from 11); and every
+    sequence longer than 3 tokens as blocks of at most 3 queries, through matmuls, through masked SDPA, and
+    as blocks through matmuls below 11 keys with the longer sequences whole as causal squares — forced by
     moving the thresholds, so all run on the same short case."""
-    sdpa_from, causal_from, budget = {"matmul": (10**9, 10**9, 10**9), "sdpa": (1, 10**9, 0), "mixed": (9, 10**9, 0),
-                                      "causal": (1, 1, 0), "causal-padded": (1, 1, 10**9),
-                                      "all-three": (5, 11, 0)}[request.param]
+    sdpa_from, causal_from, budget, block = {
+        "matmul": (10**9, 10**9, 10**9, 10**9), "sdpa": (1, 10**9, 0, 10**9), "mixed": (9, 10**9, 0, 10**9),
+        "causal": (1, 1, 0, 10**9), "causal-padded": (1, 1, 10**9, 10**9), "all-three": (5, 11, 0, 10**9),
+        "blocks": (10**9, 10**9, 0, 3), "blocks-sdpa": (1, 10**9, 4096, 3), "blocks-and-squares": (11, 11, 0, 3)}[request.param]
     monkeypatch.setattr(prefix_attention, "SDPA_FROM", sdpa_from)
     monkeypatch.setattr(prefix_attention, "CAUSAL_FROM", causal_from)
     monkeypatch.setattr(prefix_attention, "PAD_BUDGET", budget)
+    monkeypatch.setattr(prefix_attention, "QUERY_BLOCK", block)
     return request.param
 
 
@@ -101,6 +106,27 @@ def test_plan_buckets_products_of_similar_size_and_restores_column_order():
     assert [(b.m, b.length, b.keys, b.mask) for b in square.buckets] == [(7, 10, 10, None)]
     assert square.q_index[m * 10 : (m + 1) * 10].tolist() == [0, 1, 2, 3, 16, 17, 18, 19, 20, 0]
     assert square.q_index[square.out_index].tolist() == list(range(seg.width))
+
+
+def test_plan_runs_a_long_sequence_as_blocks_of_queries_each_with_only_the_keys_it_reads():
+    # a prompt of 4 tokens and slots of 6 and 5 columns; blocks of at most 3 queries
+    seg = Segments(prefixes=((0, 4),), slots=(((4, 6), (10, 5)),))
+    plan = prefix_attention._plan(seg, 10**9, 10**9, 0, torch.device("cpu"), 3)
+    # the slot of 6: queries 0–2 with the prompt's 4 keys and its own first 3, queries 3–5 with all 10; the slot
+    # of 5 as 2 + 3 (4 + 2 keys, then 4 + 5); the prompt as 2 + 2 (keys 2, then 4)
+    assert sorted((b.m, b.length, b.keys) for b in plan.buckets) == [(1, 2, 2), (1, 2, 4), (1, 2, 6), (1, 3, 7),
+                                                                      (1, 3, 9), (1, 3, 10)]
+    assert plan.q_index[plan.out_index].tolist() == list(range(seg.width))
+    [(i, later)] = [(i, b) for i, b in enumerate(plan.buckets) if (b.length, b.keys) == (3, 10)]
+    at = sum(b.m * b.keys for b in plan.buckets[:i])
+    assert plan.k_index[at : at + 10].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # the prompt, then all its own keys
+    # its query i (own position 3 + i) reads the prompt and own keys 0 … 3 + i: a prefix of 4 + 3 + i + 1
+    assert later.limit[0].tolist() == [8, 9, 10]
+    # a sequence long enough for the causal squares (here from 10 keys: the slot of 6) stays whole, a square
+    squares = prefix_attention._plan(seg, 10, 10, 0, torch.device("cpu"), 3)
+    assert sorted((b.m, b.length, b.keys, b.mask is None) for b in squares.buckets) == [
+        (1, 2, 2, False), (1, 2, 4, False), (1, 2, 6, False), (1, 3, 9, False), (1, 10, 10, True)]
+    assert squares.q_index[squares.out_index].tolist() == list(range(seg.width))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # GQA (tiny-30m-like heads) and q/k/v biases (qwen2)

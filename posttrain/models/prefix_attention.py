@@ -27,6 +27,14 @@ down to the attention function) and a 4-D boolean `attention_mask` of shape (1, 
 from their prompt's length. GQA groups the query heads of one KV head into the rows of one matmul (no
 repeat_kv).
 
+A sequence longer than `QUERY_BLOCK` queries is computed as blocks of queries, each block a product of
+its own with only the keys it reads — the context and the sequence's keys up to the block's last query —
+so the upper triangle of the sequence's own square is skipped block by block instead of computed and
+masked away (192 queries in two blocks of 96: 19% fewer query-key pairs; 768 in six of 128: 31%). A
+block's later queries read every earlier key, as in the whole product; each query's keys, scores and
+softmax are the same as unblocked, so its output is too, and a key read by several blocks gets its
+gradient summed from each (the same sum in another order).
+
 Products are computed in buckets: longest first, a product joins the open bucket while the padding that
 adds costs less than a bucket's fixed cost (`PAD_BUDGET`), so equal-length pairs (DPO) or a group's
 completions that all hit the limit run as one batched call, and a ragged batch costs its real sizes. One
@@ -43,14 +51,14 @@ to its longest. Three ways to compute a bucket, picked by its key length:
   fp32 probabilities were 1.4 GB on tiny-30m). With `SDPA_FROM` at `CAUSAL_FROM` (the default) no bucket
   takes this way: the matmuls, once their fp32 copy was gone, were faster up to 256 keys at every shape
   measured and even at 528 (docs/performance.md); it is there for a lower `SDPA_FROM`;
-- very long (from `CAUSAL_FROM` keys): SDPA with `is_causal` and no mask, each slot's product run as the
-  square [its prompt | itself] — its prompt's queries computed again and their outputs dropped (the
-  prompt's own product gives them) — padded at the end, which a causal product never reads. The kernel
-  then skips the key blocks above the diagonal, which the masked form computes and throws away. One
-  attention call forward + backward (`benchmarks/prefix_attention.py`): 432 against 485 ms at 512-token
-  GRPO completions, 1,058 against 1,075 at 1,024-token DPO pairs, no mask tensor held; at 256 keys slower
-  (136 against 111 ms: the flash kernel's key blocks are 512 wide, nothing to skip, and the prompt's
-  queries are extra work).
+- very long (a sequence of `CAUSAL_FROM` keys or more, not blocked): SDPA with `is_causal` and no mask,
+  each slot's product run as the square [its prompt | itself] — its prompt's queries computed again and
+  their outputs dropped (the prompt's own product gives them) — padded at the end, which a causal product
+  never reads. The kernel then skips the key blocks above the diagonal, which the masked form computes and
+  throws away, and keeps no probabilities: at 1,024-token DPO pairs the query blocks through the matmuls
+  took 0.62 of its time but 2.6× its memory (458 against 173 MiB a call, ten calls a step on tiny-30m), so
+  from 768 keys a sequence goes this way. Measured on a CPU only: on a GPU the flash kernel may well be
+  the better way from fewer keys (set `SDPA_FROM`, `CAUSAL_FROM`).
 All three compute the same attention (tests/test_models_prefix_attention.py: fp32 within round-off). The
 buckets and the gather indices are planned once per row (`_plan`, cached) and shared by every layer.
 Measured (`python benchmarks/prefix_attention.py`, one attention call forward + backward, bf16,
@@ -60,6 +68,7 @@ Measured (`python benchmarks/prefix_attention.py`, one attention call forward + 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -73,15 +82,21 @@ from posttrain.native import softmax as softmax_kernel
 
 NAME = "posttrain_shared_prefix"
 # keys per query at or above which a product goes through SDPA (docs above). benchmarks/prefix_attention.py,
-# after `_Softmax`: the matmuls 0.17-0.72 of masked SDPA's time up to 256 keys, 1.06 at 528 (where the causal
-# squares take over); the DPO stage at 256-token pairs 15% faster a step with this at 512 than at 256
-SDPA_FROM = 512
-# keys per query from which an SDPA bucket runs as causal squares (docs above; measured at 264, 528, 1,022)
-CAUSAL_FROM = 512
+# after `_Softmax`: the matmuls 0.17-0.72 of masked SDPA's time up to 256 keys, 1.06 at 528; the DPO stage at
+# 256-token pairs 15% faster a step with this at 512 than at 256. With query blocks the matmuls took 0.48 of
+# the causal squares' time at 528 keys and 0.62 at 1,024, but at 1,024 they keep 2.6× the memory
+SDPA_FROM = 768
+# keys per query from which an SDPA bucket runs as causal squares, a sequence whole (docs above)
+CAUSAL_FROM = 768
 # padding (query × key elements) worth one more bucket: an estimate of a bucket's fixed cost (about a dozen
 # small ops per layer, forward and backward) in padded elements' attention work; 0 and 4,096 measured
 # within noise at GRPO and DPO shapes, no bucketing 1.4× slower at 512-token GRPO (docs/performance.md)
 PAD_BUDGET = 4096
+# queries per product at most: a longer sequence's queries run as blocks, each against only the keys it reads
+# (`_plan`). One attention call forward + backward at 128 against whole sequences (benchmarks/prefix_attention.py):
+# 0.92× the time and 0.81× the memory at 256-token DPO pairs, 0.54× and 0.59× at 512-token GRPO completions;
+# 96 and 128 measured alike at DPO's 192-query replies, 64 slower, 192 and 256 slower at 512 and 1,024 keys
+QUERY_BLOCK = 128
 
 
 class Segments(NamedTuple):
@@ -125,54 +140,72 @@ class _Plan(NamedTuple):
     out_index: Tensor  # (T,) for each column of the row, its output's row in the buckets' (Σ M·L) outputs
 
 
+def _blocks(n: int, block: int) -> list[tuple[int, int]]:
+    """A sequence's n queries as (first, count) blocks of at most `block`, as equal as whole queries allow."""
+    parts = max(1, -(-n // block))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [(a, b - a) for a, b in itertools.pairwise(bounds)]
+
+
 @functools.lru_cache(maxsize=4)
-def _plan(segments: Segments, sdpa_from: int, causal_from: int, pad_budget: int, device: torch.device) -> _Plan:
-    products = [(a, p, a, 0) for a, p in segments.prefixes]
-    products += [(q, n, a, p) for (a, p), slots in zip(segments.prefixes, segments.slots) for q, n in slots]
+def _plan(segments: Segments, sdpa_from: int, causal_from: int, pad_budget: int, device: torch.device,
+          query_block: int = 10**9) -> _Plan:
+    # A product (q, n, c, ctx, o, m): a sequence's own columns [q, q + n) after `ctx` context keys [c, c + ctx)
+    # (its prompt's; none for a prompt), its queries o … o + m − 1 of them, which attend the context and own
+    # keys [0, o + m) causally — o + m + ctx keys, the query at o + i the first ctx + o + i + 1 of them. A
+    # sequence longer than `query_block` runs as blocks of queries, each with only the keys it reads: the own
+    # square's upper triangle computed blockwise instead of whole (at 192 queries in two blocks, 19% fewer
+    # products; the later blocks read every earlier key, as a causal sequence does) — unless it is long enough
+    # for the causal squares (`causal_from` keys), which skip the triangle themselves
+    causal_from = max(sdpa_from, causal_from)
+    seqs = [(a, p, a, 0) for a, p in segments.prefixes]
+    seqs += [(q, n, a, p) for (a, p), slots in zip(segments.prefixes, segments.slots) for q, n in slots]
+    products = [(q, n, c, ctx, o, m) for q, n, c, ctx in seqs
+                for o, m in (_blocks(n, query_block) if ctx + n < causal_from else [(0, n)])]
     # longest first, then greedily: a product joins the open bucket when the padding that adds costs less
     # than a bucket's fixed cost (`pad_budget` query × key elements), else it opens the next bucket
-    products.sort(key=lambda x: (-x[1], -x[3]))
-    groups: list[tuple[list[tuple[int, int, int, int]], int]] = []  # (its products, its keys S)
+    products.sort(key=lambda x: (-x[5], -(x[3] + x[4])))
+    groups: list[tuple[list[tuple[int, int, int, int, int, int]], int]] = []  # (its products, its keys S)
     for x in products:
-        n, ctx = x[1], x[3]
+        m, keys_x = x[5], x[3] + x[4] + x[5]
         if groups:
             members, keys = groups[-1]
-            length, grown = members[0][1], max(keys, ctx + n)
-            if (len(members) + 1) * length * grown - len(members) * length * keys - n * (ctx + n) <= pad_budget:
+            length, grown = members[0][5], max(keys, keys_x)
+            if (len(members) + 1) * length * grown - len(members) * length * keys - m * keys_x <= pad_budget:
                 members.append(x)
                 groups[-1] = (members, grown)
                 continue
-        groups.append(([x], ctx + n))
-    causal_from = max(sdpa_from, causal_from)
+        groups.append(([x], keys_x))
     buckets, q_index, k_index, cols, rows = [], [], [], [], []
     at = 0  # the first bucket row of the next product
     for members, keys in groups:
-        if keys >= causal_from:  # squares [prompt | slot], padded at the end; only the slot's rows are kept
-            k = torch.arange(keys)
-            for q, n, c, ctx in members:
-                square = torch.where(k < ctx, c + k, torch.where(k - ctx < n, q + k - ctx, 0))
+        k = torch.arange(keys)
+        if keys >= causal_from:  # squares [context | own keys read], padded at the end; only the queries' rows kept
+            for q, n, c, ctx, o, m in members:
+                square = torch.where(k < ctx, c + k, torch.where(k - ctx < o + m, q + k - ctx, 0))
                 q_index.append(square)
                 k_index.append(square)
-                cols.append(q + torch.arange(n))
-                rows.append(at + ctx + torch.arange(n))
+                cols.append(q + o + torch.arange(m))
+                rows.append(at + ctx + o + torch.arange(m))
                 at += keys
             buckets.append(_Bucket(len(members), keys, keys, True, None))
             continue
-        length = members[0][1]
-        i, k = torch.arange(length), torch.arange(keys)
-        for q, n, c, ctx in members:
-            q_index.append(torch.where(i < n, q + i, 0))
-            k_index.append(torch.where(k < ctx, c + k, torch.where(k - ctx < n, q + k - ctx, 0)))
-            cols.append(q + torch.arange(n))
-            rows.append(at + torch.arange(n))
+        length = members[0][5]
+        i = torch.arange(length)
+        for q, n, c, ctx, o, m in members:
+            q_index.append(torch.where(i < m, q + o + i, 0))
+            k_index.append(torch.where(k < ctx, c + k, torch.where(k - ctx < o + m, q + k - ctx, 0)))
+            cols.append(q + o + torch.arange(m))
+            rows.append(at + torch.arange(m))
             at += length
-        allowed = torch.stack([(k[None] < ctx) | ((k[None] - ctx <= i[:, None]) & (k[None] - ctx < n))
-                               for _, n, _, ctx in members])[:, None]
+        # a padding query (i ≥ m) attends all the product's keys, so that no row is empty
+        allowed = torch.stack([(k[None] < ctx) | ((k[None] - ctx <= o + i[:, None]) & (k[None] - ctx < o + m))
+                               for _, _, _, ctx, o, m in members])[:, None]
         if keys >= sdpa_from:
             buckets.append(_Bucket(len(members), length, keys, True, allowed.to(device)))
             continue
         bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, :, None]
-        limit = allowed[:, 0].sum(-1, dtype=torch.int32)  # a prefix: (k < ctx) | (k − ctx ≤ min(i, n − 1))
+        limit = allowed[:, 0].sum(-1, dtype=torch.int32)  # a prefix: (k < ctx) | (k − ctx ≤ min(o + i, o + m − 1))
         buckets.append(_Bucket(len(members), length, keys, False, bias.to(device), limit.to(device)))
     out_index = torch.empty(segments.width, dtype=torch.long)
     out_index[torch.cat(cols)] = torch.cat(rows)
@@ -255,7 +288,7 @@ def shared_prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value
     if rows != 1 or width != segments.width:
         raise ValueError(f"shared_prefix_attention: expected one packed row of {segments.width} columns "
                          f"(the segments' width), got {rows} × {width}")
-    plan = _plan(segments, SDPA_FROM, CAUSAL_FROM, PAD_BUDGET, query.device)
+    plan = _plan(segments, SDPA_FROM, CAUSAL_FROM, PAD_BUDGET, query.device, QUERY_BLOCK)
     drop = dropout if module.training else 0.0
     # token-major (T, H, D): the projections' own layout, of which transformers' (1, H, T, D) is a transposed
     # view; each gather then copies whole rows and its backward adds whole rows (`index_select`/`index_add_`:
