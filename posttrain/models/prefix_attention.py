@@ -155,7 +155,7 @@ def _plan(segments: Segments, sdpa_from: int, causal_from: int, pad_budget: int,
     # keys [0, o + m) causally — o + m + ctx keys, the query at o + i the first ctx + o + i + 1 of them. A
     # sequence longer than `query_block` runs as blocks of queries, each with only the keys it reads: the own
     # square's upper triangle computed blockwise instead of whole (at 192 queries in two blocks, 19% fewer
-    # products; the later blocks read every earlier key, as a causal sequence does) — unless it is long enough
+    # query-key pairs; the later blocks read every earlier key, as a causal sequence does) — unless it is long enough
     # for the causal squares (`causal_from` keys), which skip the triangle themselves
     causal_from = max(sdpa_from, causal_from)
     seqs = [(a, p, a, 0) for a, p in segments.prefixes]
