@@ -2,7 +2,7 @@
 softmax (probabilities kept in bf16; the softmax in one C pass each way, `native.softmax`), the same with
 the softmax in PyTorch ops (`matmul-torch`), fused SDPA under a boolean mask, and fused SDPA over causal
 squares [prompt | slot] with no mask; and the matmul way with each sequence's queries in blocks
-(`--block`), keeping its probabilities or computing them again in the backward (posttrain/models/prefix_attention.py).
+(`--block`), each block against only the keys it reads (posttrain/models/prefix_attention.py).
 
 One attention call, forward + backward, bf16, the shapes of tiny-30m (8 query heads, 4 KV heads, head
 dim 64): GRPO groups (2 rows × G 8, 16-token prompt, N-token slots) and DPO pairs (8 pairs as groups of
@@ -12,7 +12,7 @@ Memory: the peak resident set each way adds, each measured in its own subprocess
 
     python benchmarks/prefix_attention.py --threads 1 --reps 5 --memory
     python benchmarks/prefix_attention.py --threads 1 --reps 5 --ways matmul matmul-torch
-    python benchmarks/prefix_attention.py --threads 1 --reps 5 --memory --ways causal blocks blocks-recomputed
+    python benchmarks/prefix_attention.py --threads 1 --reps 5 --memory --ways causal matmul blocks
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from posttrain import native
 from posttrain.models import prefix_attention
 
 HQ, HKV, D = 8, 4, 64
-WAYS = ("matmul", "sdpa", "causal", "matmul-torch", "blocks", "blocks-recomputed")
+WAYS = ("matmul", "sdpa", "causal", "matmul-torch", "blocks")
 BLOCK = 128  # queries per block for the `blocks` ways (`--block`)
 SHAPES = [  # (label, rows, slots, prefix, slot length)
     ("grpo N=32", 2, 8, 16, 32), ("grpo N=128", 2, 8, 16, 128), ("grpo N=192", 2, 8, 16, 192),
@@ -49,9 +49,8 @@ def call(way: str, rows: int, slots: int, prefix: int, n: int, reps: int = 1) ->
     prefix_attention.SDPA_FROM = 1 if way in ("sdpa", "causal") else 10**9
     prefix_attention.CAUSAL_FROM = 1 if way == "causal" else 10**9
     # "blocks": the matmul way, each sequence's queries in blocks of at most BLOCK, each block against only the
-    # keys it reads; "blocks-recomputed": the same, the probabilities computed again in the backward, not kept
-    prefix_attention.QUERY_BLOCK = BLOCK if way.startswith("blocks") else 10**9
-    prefix_attention.RECOMPUTE_FROM = 1 if way == "blocks-recomputed" else 10**9
+    # keys it reads
+    prefix_attention.QUERY_BLOCK = BLOCK if way == "blocks" else 10**9
     # "matmul-torch": the matmul way with its softmax in PyTorch ops, not the C kernel (native.softmax)
     os.environ[native.ENV_DISABLE] = "0" if way == "matmul-torch" else "1"
     group = prefix + slots * n
