@@ -1,4 +1,4 @@
-"""The gated MLP's elementwise backward in C (`native/swiglu.py`, `native/kernels/swiglu.c`) against float64,
+"""The gated MLP's elementwise forward and backward in C (`native/swiglu.py`, `native/kernels/swiglu.c`) against float64,
 both builds (the AVX-512 code where the CPU has it, the plain-C loop always), and its place in
 `fused_mlp._GatedMLP` and `_SiluMul`: taken for bf16, the same gradients as the PyTorch ops within bf16
 round-off, the PyTorch ops where it is off."""
@@ -55,6 +55,26 @@ def test_the_product_and_the_gradient_through_up_are_pytorchs_exactly(lib):
     assert torch.equal(grad_up, grad * act)
 
 
+def test_the_forward_product_is_pytorchs_bit_for_bit(lib):
+    """One pass for `F.silu(gate) * up`, rounded as those two ops round: equal on a million elements of
+    gates spread over ±16 (most of silu's curve and both of its tails), on odd lengths and at the extremes."""
+    g = torch.Generator().manual_seed(5)
+    gate = (torch.randn(977, 1031, generator=g) * 4).bfloat16()
+    up = torch.randn(977, 1031, generator=g).bfloat16()
+    assert torch.equal(swiglu.product(lib, gate, up), F.silu(gate) * up)
+    extreme = torch.tensor([0.0, -0.0, 100.0, -100.0, 3e37, -3e37, 1e-30, -87.0, float("inf")], dtype=torch.bfloat16)
+    assert torch.equal(swiglu.product(lib, extreme, torch.full_like(extreme, -1.5)),
+                       F.silu(extreme) * torch.full_like(extreme, -1.5))
+    # the one departure: below −87.3, where e^g leaves fp32's normal range, the kernel's silu is 0 and
+    # PyTorch's (g / (1 + e^−g)) a value under 1e-36 in magnitude
+    tail = torch.tensor([-88.0], dtype=torch.bfloat16)
+    assert swiglu.product(lib, tail, torch.ones_like(tail)).item() == 0.0
+    assert 0 < -F.silu(tail).item() < 1e-36
+    nan = swiglu.product(lib, torch.tensor([float("nan"), float("-inf")], dtype=torch.bfloat16),
+                         torch.ones(2, dtype=torch.bfloat16))
+    assert torch.isnan(nan).all()  # a NaN gate stays NaN, and silu(−inf) = −inf · 0 is NaN, as in PyTorch
+
+
 def test_extreme_gates_and_no_product(lib):
     gate = torch.tensor([0.0, -0.0, 100.0, -100.0, 3e37, -3e37, 1e-30, -88.0], dtype=torch.bfloat16)
     up, grad = torch.ones_like(gate), torch.full_like(gate, 2.0)
@@ -102,6 +122,23 @@ def test_the_mlp_backward_takes_the_kernel_and_agrees_with_pytorch(monkeypatch):
     exact = _grads(x.double(), [w.double() for w in weights], torch.double)
     for a, b in zip(ours, exact, strict=True):
         assert (a.double() - b).norm() / b.norm() < 3e-2
+
+
+def test_the_mlp_forward_takes_the_kernel_and_is_pytorchs(monkeypatch):
+    if swiglu.library() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 9, 16, generator=gen)
+    weights = [0.3 * torch.randn(40, 16, generator=gen), 0.3 * torch.randn(40, 16, generator=gen),
+               0.3 * torch.randn(16, 40, generator=gen)]
+    calls = []
+    real = swiglu.product
+    monkeypatch.setattr(swiglu, "product", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        ours = fused_mlp.gated_mlp(x, *weights, torch.bfloat16)
+        assert calls, "the bf16 forward did not take the kernel"
+        monkeypatch.setattr(swiglu, "usable", lambda *a: None)
+        assert torch.equal(ours, fused_mlp.gated_mlp(x, *weights, torch.bfloat16))
 
 
 def test_the_product_node_takes_it_too(monkeypatch):

@@ -4,15 +4,17 @@ The Llama family's MLP (Shazeer 2020's SwiGLU) is `down(silu(gate(x)) * up(x))`.
 keeps four intermediate-width tensors per token for the backward — `gate(x)` (for the SiLU), `silu(gate(x))`
 and `up(x)` (for the product), the product (for `down`) — which at tiny-30m's shapes (hidden 512, intermediate
 1,408) are a third to two fifths of what a training step keeps once the norm is fused. `_GatedMLP` keeps
-`gate(x)` and `up(x)` and recomputes the other two in the backward. On a CPU in bf16 the backward's
-elementwise middle — the SiLU and the product recomputed, the two gradients through them — is one pass of a C
-kernel (`native/swiglu.py`: 2.2× the five PyTorch ops it replaces, three temporaries instead of five); the
-PyTorch ops are its reference and fallback.
+`gate(x)` and `up(x)` and recomputes the other two in the backward. On a CPU in bf16 the elementwise middle
+is one pass of a C kernel each way (`native/swiglu.py`): the forward's `silu(gate) * up` (one output instead
+of two, rounded as PyTorch's two ops round), and the backward's SiLU and product recomputed with the two
+gradients through them (2.2× the five PyTorch ops it replaces, three temporaries instead of five); the
+PyTorch ops are their reference and fallback.
 `_SiluMul` is the same idea for an MLP whose projections are not plain linears (a LoRA adapter's, a quantized
 layer): the SiLU-times-up node alone, keeping `gate(x)` and `up(x)`, one tensor fewer.
 
-The forward runs the same ops in the same order as `transformers` under autocast, so it is bit-identical
-(tests/test_models_fused_mlp.py, a whole model's logits with `torch.equal`); the gradients are computed by the
+The forward computes what `transformers` computes under autocast, rounded the same way, so it is
+bit-identical (tests/test_models_fused_mlp.py, a whole model's logits with `torch.equal`) — but for a gate
+below −87.3, whose SiLU (under 1e-36 in magnitude) the C kernel returns as 0; the gradients are computed by the
 same kernels (`aten.silu_backward`, products and matmuls in the autocast dtype, the weights' gradients cast
 back to theirs, as autocast's own cast node does), and agree with autograd's to bf16 round-off.
 
@@ -44,6 +46,12 @@ def _mm2(a: Tensor, b: Tensor) -> Tensor:
     return a.reshape(-1, a.shape[-1]).t().mm(b.reshape(-1, b.shape[-1]))
 
 
+def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) ⊙ up: one pass of kernels/swiglu.c for bf16 on a CPU (bit-identical), else the PyTorch ops."""
+    lib = swiglu.usable(gate, up)
+    return swiglu.product(lib, gate, up) if lib is not None else F.silu(gate) * up
+
+
 def _silu_mul_backward(gate: Tensor, up: Tensor, grad_h: Tensor, *, product: bool
                        ) -> tuple[Tensor | None, Tensor, Tensor]:
     """For h = silu(gate) ⊙ up and grad_h its gradient: (h as the forward computed it, where `product`; the
@@ -62,7 +70,7 @@ class _GatedMLP(torch.autograd.Function):
     def forward(ctx, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype) -> Tensor:
         xc, wg, wu, wd = (t.to(dtype) for t in (x, w_gate, w_up, w_down))
         gate, up = F.linear(xc, wg), F.linear(xc, wu)
-        y = F.linear(F.silu(gate) * up, wd)
+        y = F.linear(_silu_mul(gate, up), wd)
         ctx.save_for_backward(xc, gate, up, wg, wu, wd)
         ctx.dtypes = (x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype)
         return y
@@ -74,7 +82,7 @@ class _GatedMLP(torch.autograd.Function):
         need_x, need_g, need_u, need_d = ctx.needs_input_grad[:4]
         grad = grad.to(xc.dtype)
         if not (need_x or need_g or need_u):
-            return None, None, None, _mm2(grad, F.silu(gate) * up).to(d_dtype) if need_d else None, None
+            return None, None, None, _mm2(grad, _silu_mul(gate, up)).to(d_dtype) if need_d else None, None
         prod, grad_gate, grad_up = _silu_mul_backward(gate, up, grad.matmul(wd), product=need_d)
         grad_d = _mm2(grad, prod).to(d_dtype) if need_d else None
         del prod  # intermediate-width; not held through the input's gradient
@@ -91,7 +99,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return _silu_mul(gate, up)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:

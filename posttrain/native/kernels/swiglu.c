@@ -1,5 +1,5 @@
-/* The backward of the gated MLP's elementwise middle, h = silu(gate) * up (posttrain/models/fused_mlp.py),
- * bf16 in and bf16 out, one pass.
+/* The gated MLP's elementwise middle, h = silu(gate) * up (posttrain/models/fused_mlp.py), bf16 in and bf16
+ * out, one pass each way: the forward's product (`posttrain_swiglu_forward_bf16`), and its backward.
  *
  * PyTorch runs it as five passes, each allocating an intermediate-width bf16 tensor: silu(gate) recomputed,
  * silu(gate) * up (for the down projection's weight gradient), grad * silu(gate), grad * up, and
@@ -67,6 +67,44 @@ static void swiglu_backward_span(long lo, long hi, const uint16_t *gate, const u
         }
     }
 #endif
+}
+
+/* the forward's product alone, h = bf16(bf16(silu(g)) * u), for n elements — PyTorch's two ops
+ * (F.silu, then the product) in one pass, rounded as they round. Below g = -87.3 e^g is no normal fp32
+ * and the exponential returns 0: silu is 0 there, PyTorch's g / (1 + e^-g) under 1e-36 */
+static void swiglu_forward_span(long lo, long hi, const uint16_t *gate, const uint16_t *up, uint16_t *out) {
+    long i = lo;
+#if USE_AVX512
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (; i < hi; i += 16) {
+        const int n = hi - i >= 16 ? 16 : (int)(hi - i);
+        const __m512 g = load16(gate, i, 1, n), u = load16(up, i, 1, n);
+        const __mmask16 neg = _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ);
+        const __m512 e = exp16_nonpositive(_mm512_mask_blend_ps(neg, _mm512_sub_ps(zero, g), g));
+        const __m512 s = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
+        __m512i a = _mm512_castps_si512(_mm512_mul_ps(g, s));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 16), _mm512_set1_epi32(1));
+        a = _mm512_slli_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7fff)), odd),
+                                                16), 16);
+        store16(out, i, 1, n, _mm512_mul_ps(_mm512_castsi512_ps(a), u));
+    }
+#else
+#pragma omp simd
+    for (long j = i; j < hi; j++) {
+        const float g = bf16_to_f32(gate[j]), u = bf16_to_f32(up[j]);
+        out[j] = f32_to_bf16(bf16_to_f32(f32_to_bf16(g * sigmoid_of(g))) * u);
+    }
+#endif
+}
+
+int posttrain_swiglu_forward_bf16(long n, const uint16_t *gate, const uint16_t *up, uint16_t *out, int threads) {
+    const long chunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long c = 0; c < chunks; c++) {
+        const long lo = c * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;
+        swiglu_forward_span(lo, hi, gate, up, out);
+    }
+    return 0;
 }
 
 /* the three results above for n elements; 0 */
