@@ -108,6 +108,25 @@ def test_plan_buckets_products_of_similar_size_and_restores_column_order():
     assert square.q_index[square.out_index].tolist() == list(range(seg.width))
 
 
+def test_plan_gathers_token_head_rows_straight_into_each_buckets_layout():
+    """With Hq query heads and Hkv key heads the gathers index (column · H + head) rows: a bucket's queries come
+    out as (M, Hq, L) rows, its keys as (M, Hkv, S), and every (column, head) output is its own query's row."""
+    seg = Segments(prefixes=((0, 4), (22, 2)), slots=(((4, 6), (10, 6), (16, 5), (21, 1)), ((24, 6),)))
+    for sdpa_from, block in ((10**9, 10**9), (10**9, 3), (1, 10**9)):  # matmuls, query blocks, causal squares
+        by_column = prefix_attention._plan(seg, sdpa_from, sdpa_from, 0, torch.device("cpu"), block)
+        plan = prefix_attention._plan(seg, sdpa_from, sdpa_from, 0, torch.device("cpu"), block, (4, 2))
+        assert plan.q_index[plan.out_index].tolist() == list(range(seg.width * 4))
+        q_at = k_at = qc = kc = 0
+        for b in plan.buckets:
+            cols = by_column.q_index[qc : qc + b.m * b.length].view(b.m, 1, b.length)
+            assert plan.q_index[q_at : q_at + b.m * 4 * b.length].view(b.m, 4, b.length).equal(
+                cols * 4 + torch.arange(4).view(1, 4, 1))
+            keys = by_column.k_index[kc : kc + b.m * b.keys].view(b.m, 1, b.keys)
+            assert plan.k_index[k_at : k_at + b.m * 2 * b.keys].view(b.m, 2, b.keys).equal(
+                keys * 2 + torch.arange(2).view(1, 2, 1))
+            q_at, k_at, qc, kc = q_at + b.m * 4 * b.length, k_at + b.m * 2 * b.keys, qc + b.m * b.length, kc + b.m * b.keys
+
+
 def test_plan_runs_a_long_sequence_as_blocks_of_queries_each_with_only_the_keys_it_reads():
     # a prompt of 4 tokens and slots of 6 and 5 columns; blocks of at most 3 queries
     seg = Segments(prefixes=((0, 4),), slots=(((4, 6), (10, 5)),))
@@ -206,16 +225,13 @@ def test_the_matmul_path_keeps_its_probabilities_only_in_the_values_dtype():
     allowed = torch.rand(m, 1, 1, length, keys, generator=g) > 0.3
     allowed[..., 0] = True
     bucket = prefix_attention._Bucket(m, length, keys, False, torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")))
-    base = [torch.randn(m * n, h, d, generator=g) for n, h in ((length, hq), (keys, hkv), (keys, hkv))]
+    base = [torch.randn(m, h, n, d, generator=g) for n, h in ((length, hq), (keys, hkv), (keys, hkv))]
 
     def eager(q, k, v):  # the pre-`_Softmax` form: fp32 softmax kept by autograd, cast after
         group = hq // hkv
-        qq = q.view(m, length, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(m, hkv, group * length, d)
-        kk, vv = (t.view(m, keys, hkv, d).transpose(1, 2) for t in (k, v))
-        scores = torch.matmul(qq, kk.transpose(-1, -2)).view(m, hkv, group, length, keys)
+        scores = torch.matmul(q.reshape(m, hkv, group * length, d), k.transpose(-1, -2)).view(m, hkv, group, length, keys)
         probs = torch.softmax(scores.float() * 0.3 + bucket.mask, dim=-1).to(v.dtype)
-        out = torch.matmul(probs.view(m, hkv, group * length, keys), vv)
-        return out.view(m, hq, length, d).transpose(1, 2).reshape(m * length, hq, d)
+        return torch.matmul(probs.view(m, hkv, group * length, keys), v).reshape(-1, d)
 
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         runs = []

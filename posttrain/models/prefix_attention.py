@@ -40,7 +40,10 @@ adds costs less than a bucket's fixed cost (`PAD_BUDGET`), so equal-length pairs
 completions that all hit the limit run as one batched call, and a ragged batch costs its real sizes. One
 gather per layer copies every bucket's queries, keys and values out of the row (each slot's keys are its
 prompt's then its own), one gather puts the outputs back in column order; a bucket's products are padded
-to its longest. Three ways to compute a bucket, picked by its key length:
+to its longest. The gathers move (token, head) rows of head_dim values, so a bucket's queries land as
+(M, Hq, L, D) and its keys and values as (M, Hkv, S, D), the layouts the matmuls and SDPA read, with no
+copy in between (DPO@64 attention call 0.79–0.92× the time of gathering (H·D) rows and permuting, GRPO@512
+0.93×, bit-equal; docs/performance.md). Three ways to compute a bucket, picked by its key length:
 - short (fewer than `SDPA_FROM` keys): two matmuls and an fp32 softmax, GQA as the rows of one matmul
   per KV head (as transformers' eager attention); the probabilities (queries × keys) are kept for the
   backward in the values' dtype only (`_Softmax`; eager attention keeps an fp32 copy as well). In bf16 on
@@ -127,17 +130,20 @@ class _Bucket(NamedTuple):
 
 
 class _Plan(NamedTuple):
-    """How every layer of one forward computes the products of a `Segments` row (built once per row).
+    """How every layer of one forward computes the products of a `Segments` row (built once per row and
+    head count).
 
     A product: queries [q, q + n) attending to `ctx` context keys [c, c + ctx) then causally to their own
     keys — a prompt (ctx 0) or a slot (ctx: its prompt's length). Products of similar size share a bucket;
     one gather per layer copies every bucket's queries, keys and values out of the row (padding: column 0),
-    one gather puts the real queries' outputs back in column order."""
+    one gather puts the real queries' outputs back in column order. The gathers take (token, head) rows of
+    head_dim values, so each lands in its bucket's batched layout — queries and outputs (M, Hq, L, D), keys
+    and values (M, Hkv, S, D) — with no copy between the gather and the matmuls."""
 
     buckets: tuple[_Bucket, ...]
-    q_index: Tensor    # (Σ M·L,) the query column of each bucket row
-    k_index: Tensor    # (Σ M·S,) the key column of each bucket key
-    out_index: Tensor  # (T,) for each column of the row, its output's row in the buckets' (Σ M·L) outputs
+    q_index: Tensor    # (Σ M·Hq·L,) the (query column · Hq + head) row of each bucket query, (m, head, i) order
+    k_index: Tensor    # (Σ M·Hkv·S,) the (key column · Hkv + head) row of each bucket key, (m, head, s) order
+    out_index: Tensor  # (T·Hq,) for each (column, head) of the row, its output's row in the buckets' outputs
 
 
 def _blocks(n: int, block: int) -> list[tuple[int, int]]:
@@ -149,7 +155,7 @@ def _blocks(n: int, block: int) -> list[tuple[int, int]]:
 
 @functools.lru_cache(maxsize=4)
 def _plan(segments: Segments, sdpa_from: int, causal_from: int, pad_budget: int, device: torch.device,
-          query_block: int = 10**9) -> _Plan:
+          query_block: int = 10**9, heads: tuple[int, int] = (1, 1)) -> _Plan:
     # A product (q, n, c, ctx, o, m): a sequence's own columns [q, q + n) after `ctx` context keys [c, c + ctx)
     # (its prompt's; none for a prompt), its queries o … o + m − 1 of them, which attend the context and own
     # keys [0, o + m) causally — o + m + ctx keys, the query at o + i the first ctx + o + i + 1 of them. A
@@ -209,7 +215,24 @@ def _plan(segments: Segments, sdpa_from: int, causal_from: int, pad_budget: int,
         buckets.append(_Bucket(len(members), length, keys, False, bias.to(device), limit.to(device)))
     out_index = torch.empty(segments.width, dtype=torch.long)
     out_index[torch.cat(cols)] = torch.cat(rows)
-    return _Plan(tuple(buckets), torch.cat(q_index).to(device), torch.cat(k_index).to(device), out_index.to(device))
+    # (column, head) rows: bucket b's M·L query columns as (m, head, i) rows, its keys as (m, head, s), and each
+    # output row r (of Σ M·L) with head h at (m, h, i) of its bucket, r = its first row + m·L + i
+    hq, hkv = heads
+    q_cols, k_cols = torch.cat(q_index), torch.cat(k_index)
+    q_rows, k_rows, first = [], [], torch.empty(at, dtype=torch.long)
+    q_at = k_at = flat = 0
+    for b in buckets:
+        qb = q_cols[q_at : q_at + b.m * b.length].view(b.m, 1, b.length)
+        kb = k_cols[k_at : k_at + b.m * b.keys].view(b.m, 1, b.keys)
+        q_rows.append((qb * hq + torch.arange(hq).view(1, hq, 1)).reshape(-1))
+        k_rows.append((kb * hkv + torch.arange(hkv).view(1, hkv, 1)).reshape(-1))
+        r = torch.arange(b.m * b.length)
+        first[q_at : q_at + b.m * b.length] = flat + (r // b.length) * hq * b.length + r % b.length
+        q_at, k_at, flat = q_at + b.m * b.length, k_at + b.m * b.keys, flat + b.m * hq * b.length
+    lengths = torch.tensor([b.length for b in buckets]).repeat_interleave(torch.tensor([b.m * b.length for b in buckets]))
+    out_rows = first[out_index][:, None] + torch.arange(hq)[None] * lengths[out_index][:, None]  # (T, Hq)
+    return _Plan(tuple(buckets), torch.cat(q_rows).to(device), torch.cat(k_rows).to(device),
+                 out_rows.reshape(-1).to(device))
 
 
 class _Softmax(torch.autograd.Function):
@@ -254,30 +277,22 @@ class _Softmax(torch.autograd.Function):
 def _matmul_bucket(bucket: _Bucket, q: Tensor, k: Tensor, v: Tensor, scaling: float, dropout: float) -> Tensor:
     """A bucket of short products: two matmuls and an fp32 softmax (as transformers' eager attention), its
     probabilities kept in the values' dtype (`_Softmax`), GQA as the rows of one matmul per KV head.
-    Shapes: q (M·L, Hq, D); k, v (M·S, Hkv, D) → (M·L, Hq, D)."""
-    m, length, keys = bucket.m, bucket.length, bucket.keys
-    _, hq, d = q.shape
-    hkv = k.shape[1]
+    Shapes: q (M, Hq, L, D); k, v (M, Hkv, S, D), contiguous → (M·Hq·L, D)."""
+    m, hq, length, d = q.shape
+    hkv, keys = k.shape[1], bucket.keys
     group = hq // hkv
-    q = q.view(m, length, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(m, hkv, group * length, d)
-    k, v = (t.view(m, keys, hkv, d).transpose(1, 2) for t in (k, v))                    # (M, Hkv, S, D)
-    scores = torch.matmul(q, k.transpose(-1, -2)).view(m, hkv, group, length, keys)
+    scores = torch.matmul(q.view(m, hkv, group * length, d), k.transpose(-1, -2)).view(m, hkv, group, length, keys)
     probs = _Softmax.apply(scores, bucket.mask, bucket.limit, scaling, v.dtype)
     if dropout > 0:
         probs = F.dropout(probs, p=dropout, training=True)
-    out = torch.matmul(probs.view(m, hkv, group * length, keys), v)                     # (M, Hkv, g·L, D)
-    return out.view(m, hq, length, d).transpose(1, 2).reshape(m * length, hq, d)
+    return torch.matmul(probs.view(m, hkv, group * length, keys), v).view(-1, d)       # (M, Hkv, g·L, D) rows
 
 
 def _sdpa_bucket(bucket: _Bucket, q: Tensor, k: Tensor, v: Tensor, scaling: float, dropout: float) -> Tensor:
     """A bucket of long products through fused SDPA (GQA without repeated keys). Shapes as `_matmul_bucket`'s."""
-    m, length, keys = bucket.m, bucket.length, bucket.keys
-    _, hq, d = q.shape
-    q = q.view(m, length, hq, d).transpose(1, 2)
-    k, v = (t.view(m, keys, t.shape[1], d).transpose(1, 2) for t in (k, v))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scaling, dropout_p=dropout,
                                          is_causal=bucket.mask is None, enable_gqa=True)  # (M, Hq, L, D)
-    return out.transpose(1, 2).reshape(m * length, hq, d)
+    return out.reshape(-1, q.shape[-1])
 
 
 def shared_prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -288,19 +303,21 @@ def shared_prefix_attention(module: nn.Module, query: Tensor, key: Tensor, value
     if rows != 1 or width != segments.width:
         raise ValueError(f"shared_prefix_attention: expected one packed row of {segments.width} columns "
                          f"(the segments' width), got {rows} × {width}")
-    plan = _plan(segments, SDPA_FROM, CAUSAL_FROM, PAD_BUDGET, query.device, QUERY_BLOCK)
+    hq, hkv, d = query.shape[1], key.shape[1], query.shape[-1]
+    plan = _plan(segments, SDPA_FROM, CAUSAL_FROM, PAD_BUDGET, query.device, QUERY_BLOCK, (hq, hkv))
     drop = dropout if module.training else 0.0
-    # token-major (T, H, D): the projections' own layout, of which transformers' (1, H, T, D) is a transposed
-    # view; each gather then copies whole rows and its backward adds whole rows (`index_select`/`index_add_`:
-    # 3–4× faster than the (H, T, D) gather and its `index_put_` at DPO shapes; docs/performance.md). `squeeze`,
-    # not `[0]`: a view both ways, where select's backward writes its gradient into a zero-filled copy
-    q_rows, k_rows, v_rows = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
-    qs = q_rows.index_select(0, plan.q_index).split([b.m * b.length for b in plan.buckets])
-    ks, vs = (t.index_select(0, plan.k_index).split([b.m * b.keys for b in plan.buckets]) for t in (k_rows, v_rows))
-    outs = [(_sdpa_bucket if b.sdpa else _matmul_bucket)(b, q, k, v, scaling, drop)
+    # token-major (T·H, D) rows: the projections' own layout, of which transformers' (1, H, T, D) is a transposed
+    # view (a copy only where it is not). Each gather copies (token, head) rows straight into the buckets'
+    # layouts, its backward adds them back (`index_select`/`index_add_`). `squeeze`, not `[0]`: a view both
+    # ways, where select's backward writes its gradient into a zero-filled copy
+    q_rows, k_rows, v_rows = (t.squeeze(0).transpose(0, 1).reshape(-1, d) for t in (query, key, value))
+    qs = q_rows.index_select(0, plan.q_index).split([b.m * hq * b.length for b in plan.buckets])
+    ks, vs = (t.index_select(0, plan.k_index).split([b.m * hkv * b.keys for b in plan.buckets]) for t in (k_rows, v_rows))
+    outs = [(_sdpa_bucket if b.sdpa else _matmul_bucket)(b, q.view(b.m, hq, b.length, d), k.view(b.m, hkv, b.keys, d),
+                                                         v.view(b.m, hkv, b.keys, d), scaling, drop)
             for b, q, k, v in zip(plan.buckets, qs, ks, vs)]
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]                                   # (Σ M·L, Hq, D)
-    return out.index_select(0, plan.out_index)[None], None
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]                                   # (Σ M·Hq·L, D)
+    return out.index_select(0, plan.out_index).view(1, width, hq, d), None
 
 
 AttentionInterface.register(NAME, shared_prefix_attention)
