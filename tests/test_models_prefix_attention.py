@@ -116,6 +116,11 @@ def test_plan_gathers_token_head_rows_straight_into_each_buckets_layout():
         by_column = prefix_attention._plan(seg, sdpa_from, sdpa_from, 0, torch.device("cpu"), block)
         plan = prefix_attention._plan(seg, sdpa_from, sdpa_from, 0, torch.device("cpu"), block, (4, 2))
         assert plan.q_index[plan.out_index].tolist() == list(range(seg.width * 4))
+        # the outputs' backward gather: a kept row takes its (column, head)'s gradient, every other row none
+        assert plan.out_reader[plan.out_index].tolist() == list(range(seg.width * 4))
+        dropped = torch.ones(plan.q_index.numel(), dtype=torch.bool)
+        dropped[plan.out_index] = False
+        assert bool((plan.out_reader[dropped] == seg.width * 4).all()) and (sdpa_from == 1) <= bool(dropped.any())
         q_at = k_at = qc = kc = 0
         for b in plan.buckets:
             cols = by_column.q_index[qc : qc + b.m * b.length].view(b.m, 1, b.length)
