@@ -102,16 +102,27 @@ def _grads(x, weights, dtype):
     return [x.grad, *(w.grad for w in ws)]
 
 
+def _mlp_case(seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """An input (2, 9, 16) and gate, up, down weights for an MLP of width 40."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 9, 16, generator=gen)
+    return x, [0.3 * torch.randn(40, 16, generator=gen), 0.3 * torch.randn(40, 16, generator=gen),
+               0.3 * torch.randn(16, 40, generator=gen)]
+
+
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    """Wrap `swiglu.<name>` so that each call appends to the returned list."""
+    calls: list[int] = []
+    real = getattr(swiglu, name)
+    monkeypatch.setattr(swiglu, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
 def test_the_mlp_backward_takes_the_kernel_and_agrees_with_pytorch(monkeypatch):
     if swiglu.library() is None:
         pytest.skip("no C compiler")
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 9, 16, generator=gen)
-    weights = [0.3 * torch.randn(40, 16, generator=gen), 0.3 * torch.randn(40, 16, generator=gen),
-               0.3 * torch.randn(16, 40, generator=gen)]
-    calls = []
-    real = swiglu.backward
-    monkeypatch.setattr(swiglu, "backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, weights = _mlp_case(3)
+    calls = _count_calls(monkeypatch, "backward")
     ours = _grads(x, weights, torch.bfloat16)
     assert calls, "the bf16 backward did not take the kernel"
     monkeypatch.setattr(swiglu, "usable", lambda *a: None)
@@ -127,13 +138,8 @@ def test_the_mlp_backward_takes_the_kernel_and_agrees_with_pytorch(monkeypatch):
 def test_the_mlp_forward_takes_the_kernel_and_is_pytorchs(monkeypatch):
     if swiglu.library() is None:
         pytest.skip("no C compiler")
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(2, 9, 16, generator=gen)
-    weights = [0.3 * torch.randn(40, 16, generator=gen), 0.3 * torch.randn(40, 16, generator=gen),
-               0.3 * torch.randn(16, 40, generator=gen)]
-    calls = []
-    real = swiglu.product
-    monkeypatch.setattr(swiglu, "product", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, weights = _mlp_case(6)
+    calls = _count_calls(monkeypatch, "product")
     with torch.no_grad():
         ours = fused_mlp.gated_mlp(x, *weights, torch.bfloat16)
         assert calls, "the bf16 forward did not take the kernel"

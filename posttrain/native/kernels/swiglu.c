@@ -25,23 +25,32 @@ static inline float sigmoid_of(float g) {
 
 static inline float grad_gate_of(float g, float u, float dh, float s) { return dh * u * s * (1.0f + g * (1.0f - s)); }
 
+#if USE_AVX512
+/* for 16 gates g: sigmoid(g) into *s, and silu(g) = g · sigmoid(g) rounded to bf16 and back, as the forward's
+ * activation (the exponential only of -|g|) */
+static inline __m512 silu16_rounded(__m512 g, __m512 *s) {
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const __mmask16 neg = _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ);
+    const __m512 e = exp16_nonpositive(_mm512_mask_blend_ps(neg, _mm512_sub_ps(zero, g), g));
+    *s = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
+    __m512i a = _mm512_castps_si512(_mm512_mul_ps(g, *s));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 16), _mm512_set1_epi32(1));
+    a = _mm512_slli_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7fff)), odd),
+                                            16), 16);
+    return _mm512_castsi512_ps(a);
+}
+#endif
+
 static void swiglu_backward_span(long lo, long hi, const uint16_t *gate, const uint16_t *up, const uint16_t *grad,
                                  uint16_t *prod, uint16_t *grad_gate, uint16_t *grad_up) {
     long i = lo;
 #if USE_AVX512
-    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const __m512 one = _mm512_set1_ps(1.0f);
     for (; i < hi; i += 16) {
         const int n = hi - i >= 16 ? 16 : (int)(hi - i);
         const __m512 g = load16(gate, i, 1, n), u = load16(up, i, 1, n), dh = load16(grad, i, 1, n);
-        const __mmask16 neg = _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ);
-        const __m512 e = exp16_nonpositive(_mm512_mask_blend_ps(neg, _mm512_sub_ps(zero, g), g));
-        const __m512 s = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
-        /* the activation as the forward rounded it: to bf16 and back */
-        __m512i a = _mm512_castps_si512(_mm512_mul_ps(g, s));
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 16), _mm512_set1_epi32(1));
-        a = _mm512_slli_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7fff)), odd),
-                                                16), 16);
-        const __m512 act = _mm512_castsi512_ps(a);
+        __m512 s;
+        const __m512 act = silu16_rounded(g, &s);
         if (prod) store16(prod, i, 1, n, _mm512_mul_ps(act, u));
         store16(grad_up, i, 1, n, _mm512_mul_ps(dh, act));
         const __m512 ds = _mm512_mul_ps(s, _mm512_fmadd_ps(g, _mm512_sub_ps(one, s), one));
@@ -75,18 +84,10 @@ static void swiglu_backward_span(long lo, long hi, const uint16_t *gate, const u
 static void swiglu_forward_span(long lo, long hi, const uint16_t *gate, const uint16_t *up, uint16_t *out) {
     long i = lo;
 #if USE_AVX512
-    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
     for (; i < hi; i += 16) {
         const int n = hi - i >= 16 ? 16 : (int)(hi - i);
-        const __m512 g = load16(gate, i, 1, n), u = load16(up, i, 1, n);
-        const __mmask16 neg = _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ);
-        const __m512 e = exp16_nonpositive(_mm512_mask_blend_ps(neg, _mm512_sub_ps(zero, g), g));
-        const __m512 s = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
-        __m512i a = _mm512_castps_si512(_mm512_mul_ps(g, s));
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 16), _mm512_set1_epi32(1));
-        a = _mm512_slli_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7fff)), odd),
-                                                16), 16);
-        store16(out, i, 1, n, _mm512_mul_ps(_mm512_castsi512_ps(a), u));
+        __m512 s;
+        store16(out, i, 1, n, _mm512_mul_ps(silu16_rounded(load16(gate, i, 1, n), &s), load16(up, i, 1, n)));
     }
 #else
 #pragma omp simd
