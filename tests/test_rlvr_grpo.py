@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from posttrain.data import EpochSampler, encode_prompt
 from posttrain.losses import AGGREGATIONS, loss_normalizer
-from posttrain.models import load_model
+from posttrain.models import kept_columns, load_model
 from posttrain.runtime.config import GRPOStage, Recipe
 from posttrain.runtime.context import RunContext
 from posttrain.rewards import WeightedVerifier
@@ -281,6 +281,9 @@ def test_activation_checkpointing_gives_the_same_training(tmp_path, policy_dir, 
     attention the forward ran (the switch spans the backward): the same rollouts, the same updates. Without
     that span the recomputation runs another kernel and torch's checkpoint raises (different saved tensors)."""
     monkeypatch.setattr(grpo_mod, "build_rewards", lambda specs: [WeightedVerifier("digits", _digits)])
+    # the same layers both ways: under checkpointing the last layer runs whole (models/kept_columns.py), and its
+    # weight gradients, summed over more rows, would differ in round-off, which AdamW's g/√v amplifies
+    monkeypatch.setattr(kept_columns, "usable", lambda model: None)
     finals = {}
     for ckpt in (False, True):
         cfg = GRPOStage(steps=2, batch_size=16, group_size=4, max_new_tokens=8, log_every=1, save_every=8,

@@ -179,3 +179,28 @@ def test_a_failed_build_names_the_compiler_and_falls_back(tmp_path, monkeypatch)
 def test_the_kernels_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(ckernels.ENV_DISABLE, "0")
     assert ckernels.decode_library() is None
+
+
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("norm", [False, True])
+def test_fold_writes_the_bits_torch_mul_writes(lib, paired, norm):
+    """The engine's bf16 weight copies: w (its rows in `pair_halves` order where paired) times the norm weight,
+    rounded once — bit for bit `torch.mul(w, norm, out=<bf16>)` (or the bf16 cast) on the strided view."""
+    from posttrain.rollout.cpu.fused import _pair_rows, _paired
+
+    g = torch.Generator().manual_seed(3)
+    heads, d, cols = 3, 8, 37  # 37: a tail of 5 columns past two vectors of 16
+    w = torch.randn(heads * d, cols, generator=g) * torch.logspace(-30, 30, cols)  # tiny, huge, ties in between
+    w[0, :4] = torch.tensor([0.0, -0.0, float("inf"), 1.0 + 2 ** -8])  # a tie that rounds to even
+    n = torch.rand(cols, generator=g) + 0.5 if norm else None
+    out = torch.empty(heads * d, cols, dtype=torch.bfloat16)
+    rows = _pair_rows(heads, d, w.device) if paired else None
+    assert lib.posttrain_fold_bf16(heads * d, cols, w.data_ptr(), None if rows is None else rows.data_ptr(),
+                                   None if n is None else n.data_ptr(), out.data_ptr(), 2) == 0
+    src = _paired(w, heads, d) if paired else w
+    ref = torch.empty(src.shape, dtype=torch.bfloat16)
+    if n is None:
+        ref.copy_(src)
+    else:
+        torch.mul(src, n, out=ref)
+    assert torch.equal(out.view(torch.int16), ref.reshape(heads * d, cols).view(torch.int16))

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from posttrain.data import EncodedCompletion, collate_sft
 from posttrain.losses import entropy_from_logits, sequence_logprob_mean, sequence_logprob_sum, token_logprobs
+from posttrain.models.kept_columns import kept_columns
 from posttrain.models.prefix_attention import Segments, shared_prefix
 from posttrain.rollout.text import positions_from_mask
 
@@ -239,10 +240,10 @@ def shared_prompt_logprobs(model, input_ids: Tensor, attention_mask: Tensor, pos
     slot column, `logits_to_keep`), and log-probs straight from them: no (B, N, V) tensor is built."""
     lay = pack_groups(input_ids, attention_mask, position_ids, prompt_len)
     width = lay.input_ids.shape[1]
-    with shared_prefix(model):
+    with shared_prefix(model), kept_columns(model, lay.keep) as kept:  # kept: the last layer's outputs are lay.keep's
         logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids,
                        attention_mask=torch.ones((1, 1, 1, width), dtype=torch.bool, device=input_ids.device),
-                       segments=lay.segments, logits_to_keep=lay.keep, use_cache=False).logits.squeeze(0)  # (K, V)
+                       segments=lay.segments, logits_to_keep=0 if kept else lay.keep, use_cache=False).logits.squeeze(0)  # (K, V)
     groups = len(lay.segments.prefixes)
     completions = input_ids[:, prompt_len:]
     at_first = lay.pos == 0

@@ -55,6 +55,7 @@ SIGNATURES = {  # name: (result, arguments), as in kernels/decode.c
     "posttrain_rms_norm": (_I, (_I, _I, _P, _I, _F, _P, _I, _I)),
     "posttrain_silu_mul": (_I, (_I, _I, _P, _P, _I, _I)),
     "posttrain_packed_elements": (_N, (_I, _I)),
+    "posttrain_fold_bf16": (_I, (_I, _I, _P, _P, _P, _P, _I)),
     "posttrain_pack_bf16": (_I, (_I, _I, _P, _P, _I)),
     "posttrain_pack_f32": (_I, (_I, _I, _P, _P, _I)),
     "posttrain_gemm_bf16": (_I, _GEMM),

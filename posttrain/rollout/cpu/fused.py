@@ -59,6 +59,7 @@ is the reference for `DecodePlan` (one); `tests/test_rollout_native.py` proves a
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -204,6 +205,25 @@ class FusedWeights:
             buf = self._buffers[name] = torch.empty(shape, dtype=self._dt, device=like.device)
         return buf
 
+    def _fold(self, w: Tensor, norm: Tensor | None, out: Tensor, heads: int = 0, d: int = 0) -> None:
+        """out ← w · norm (the norm weight folded into the columns; None: a cast), in out's dtype; with `heads`,
+        each head's D rows of w taken in `pair_halves` order (departure 4: `_paired`). fp32 into bf16 on a CPU
+        is one pass of the C kernel (`posttrain_fold_bf16`, the same bits as `torch.mul`, ~2× faster than its
+        mixed-dtype multiply); else `torch.mul` (or `copy_`) on the strided view, the pairing its read."""
+        lib = ckernels.decode_library() if w.device.type == "cpu" else None
+        if (lib is not None and w.dtype == torch.float32 and out.dtype == torch.bfloat16 and w.is_contiguous()
+                and out.is_contiguous() and (norm is None or (norm.dtype == torch.float32 and norm.is_contiguous()))):
+            rows = _pair_rows(heads, d, w.device) if heads else None
+            lib.posttrain_fold_bf16(out.shape[0], out.shape[1], w.data_ptr(), None if rows is None else rows.data_ptr(),
+                                    None if norm is None else norm.data_ptr(), out.data_ptr(), torch.get_num_threads())
+            return
+        if heads:
+            w, out = _paired(w, heads, d), out.view(heads, d // 2, 2, w.shape[1])
+        if norm is None:
+            out.copy_(w)
+        else:
+            torch.mul(w, norm, out=out)
+
     def _copy(self, name: str, w: Tensor, norm: Tensor | None = None) -> Tensor:
         """w (out, in) with the norm weight folded into its columns, in the copies' dtype. An fp32 weight
         with nothing to fold is returned as is (a detached view of the parameter)."""
@@ -212,18 +232,18 @@ class FusedWeights:
             return w
         out = self._buffer(name, tuple(w.shape), w)
         self.moved_bytes += w.nbytes + out.nbytes
-        return out.copy_(w) if norm is None else torch.mul(w, norm.detach(), out=out)
+        self._fold(w, None if norm is None else norm.detach(), out)
+        return out
 
     def _qkv(self, name: str, a: nn.Module, norm: Tensor, heads: int, kv_heads: int, d: int) -> Tensor:
         """[W_q; W_k; W_v] with the norm folded and each Q/K head's rows in `pair_halves` order (departure 4):
-        the pairing is the view (heads, 2, D/2, H) → (heads, D/2, 2, H), so the gather is the `mul`'s read."""
+        the pairing is the view (heads, 2, D/2, H) → (heads, D/2, 2, H), so the gather is the fold's read."""
         hidden = a.q_proj.weight.shape[1]
         out = self._buffer(name, ((heads + 2 * kv_heads) * d, hidden), a.q_proj.weight)
         n = norm.detach()
-        q, k = out[: heads * d], out[heads * d : (heads + kv_heads) * d]
-        torch.mul(_paired(self._w(a.q_proj), heads, d), n, out=q.view(heads, d // 2, 2, hidden))
-        torch.mul(_paired(self._w(a.k_proj), kv_heads, d), n, out=k.view(kv_heads, d // 2, 2, hidden))
-        torch.mul(self._w(a.v_proj), n, out=out[(heads + kv_heads) * d :])
+        self._fold(self._w(a.q_proj), n, out[: heads * d], heads, d)
+        self._fold(self._w(a.k_proj), n, out[heads * d : (heads + kv_heads) * d], kv_heads, d)
+        self._fold(self._w(a.v_proj), n, out[(heads + kv_heads) * d :])
         self.moved_bytes += a.q_proj.weight.nbytes + a.k_proj.weight.nbytes + a.v_proj.weight.nbytes + out.nbytes
         return out
 
@@ -254,8 +274,8 @@ class FusedWeights:
             gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
             wgu = self._buffer(f"{i}.gu", (gate.shape[0] + up.shape[0], gate.shape[1]), gate)
             norm = layer.post_attention_layernorm.weight.detach()
-            torch.mul(self._w(mlp.gate_proj), norm, out=wgu[: gate.shape[0]])  # each merged weight is read
-            torch.mul(self._w(mlp.up_proj), norm, out=wgu[gate.shape[0]:])     # before the next one is merged
+            self._fold(self._w(mlp.gate_proj), norm, wgu[: gate.shape[0]])  # each merged weight is read
+            self._fold(self._w(mlp.up_proj), norm, wgu[gate.shape[0]:])     # before the next one is merged
             self.moved_bytes += gate.nbytes + up.nbytes + wgu.nbytes
             layers.append(_Layer(
                 wqkv=self._qkv(f"{i}.qkv", a, layer.input_layernorm.weight, heads, kv_heads, d),
@@ -343,6 +363,12 @@ class FusedWeights:
         lm_head = make_projection(self.lm_head, self.lm_head_bias, kind, rows)
         self._projections[kind] = (rows, layers, lm_head)
         return layers, lm_head
+
+
+@functools.cache
+def _pair_rows(heads: int, d: int, device: torch.device) -> Tensor:
+    """The row of w each row of `_paired(w, heads, d)` is, as int64: the fold kernel's gather."""
+    return _paired(torch.arange(heads * d, device=device), heads, d).reshape(-1).contiguous()
 
 
 def _paired(w: Tensor, heads: int, d: int) -> Tensor:

@@ -63,6 +63,20 @@ static void load_head(const void *qkv, int qkv_bf16, long qkv_stride, int r, lon
     }
 }
 
+#if USE_AVX512
+/* lane i of the result: the sum of the 16 lanes of a_i */
+static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    /* per 128-bit chunk, interleaved partial sums of a0 and a1 (of a2 and a3) */
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    /* per chunk, one partial sum of each of a0 … a3 in lanes 0 … 3 */
+    const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
 /* probabilities p (group × cap, the first S of each row) ← softmax(q · Kᵀ + bias); returns 1/Σ per row in inv */
 static inline float kv_at(const void *base, long i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
@@ -72,7 +86,29 @@ static void scores_softmax(const float *q, const void *K, int kv_bf16, const flo
                            int cap, float *p, float *inv) {
 #if USE_AVX512
     const int nd = d / 16;
-    for (int t = 0; t < S; t++) {
+    int t = 0;
+    /* four keys at a time: their four dot products are summed across lanes together (`sum4`: 13 operations
+     * where four horizontal sums take 32, on four independent chains) */
+    for (; t + 4 <= S; t += 4) {
+        for (int i = 0; i < 4; i++) {
+            const long ahead = ((long)(t + i + PREFETCH_ROWS) * d) << (2 - kv_bf16);  /* bytes */
+            for (int c = 0; c < (d << (2 - kv_bf16)); c += 64) _mm_prefetch((const char *)K + ahead + c, _MM_HINT_T0);
+        }
+        for (int g = 0; g < group; g++) {
+            const float *qg = q + g * d;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int c = 0; c < nd; c++) {
+                const __m512 qc = _mm512_loadu_ps(qg + 16 * c);
+                const long k = (long)t * d + 16 * c;
+                a0 = _mm512_fmadd_ps(qc, load16(K, k, kv_bf16, 16), a0);
+                a1 = _mm512_fmadd_ps(qc, load16(K, k + d, kv_bf16, 16), a1);
+                a2 = _mm512_fmadd_ps(qc, load16(K, k + 2 * d, kv_bf16, 16), a2);
+                a3 = _mm512_fmadd_ps(qc, load16(K, k + 3 * d, kv_bf16, 16), a3);
+            }
+            _mm_storeu_ps(p + g * cap + t, _mm_add_ps(sum4(a0, a1, a2, a3), _mm_loadu_ps(bias + t)));
+        }
+    }
+    for (; t < S; t++) {
         const long k = (long)t * d, ahead = (k + (long)PREFETCH_ROWS * d) << (2 - kv_bf16);  /* bytes */
         for (int c = 0; c < (d << (2 - kv_bf16)); c += 64) _mm_prefetch((const char *)K + ahead + c, _MM_HINT_T0);
         for (int g = 0; g < group; g++) {
@@ -121,11 +157,58 @@ static void scores_softmax(const float *q, const void *K, int kv_bf16, const flo
 #endif
 }
 
+#if USE_AVX512
+/* `ng` (≤ 4, a compile-time constant after inlining) query heads × 64 values of d from column c0: each value
+ * row is loaded once for all of them, and the ng · 4 sums are independent chains */
+static inline __attribute__((always_inline)) void value_heads(const int ng, const float *p, const float *inv,
+                                                               const void *V, int kv_bf16, int d, int S, int cap,
+                                                               int c0, float *acc) {
+    __m512 a[4][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < ng; g++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
+    for (int t = 0; t < S; t++) {
+        const long v = (long)t * d + 16 * c0;
+        _mm_prefetch((const char *)V + ((v + (long)PREFETCH_ROWS * d) << (2 - kv_bf16)), _MM_HINT_T0);
+        __m512 x[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) x[c] = load16(V, v + 16 * c, kv_bf16, 16);
+#pragma GCC unroll 4
+        for (int g = 0; g < ng; g++) {
+            const __m512 w = _mm512_set1_ps(p[(long)g * cap + t]);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) a[g][c] = _mm512_fmadd_ps(w, x[c], a[g][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < ng; g++) {
+        const __m512 s = _mm512_set1_ps(inv[g]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (long)g * d + 16 * (c0 + c), _mm512_mul_ps(a[g][c], s));
+    }
+}
+#endif
+
 /* acc (group × d) ← Σ_t p[g, t] · V[t] · inv[g] */
 static void value_sum(const float *p, const float *inv, const void *V, int kv_bf16, int group, int d, int S, int cap,
                       float *acc) {
 #if USE_AVX512
     const int nd = d / 16;
+    if (nd % 4 == 0) { /* up to four query heads at a time, four vectors of d each */
+        for (int c0 = 0; c0 < nd; c0 += 4)
+            for (int g0 = 0; g0 < group; g0 += 4) {
+                const float *pg = p + (long)g0 * cap, *ig = inv + g0;
+                float *ag = acc + (long)g0 * d;
+                switch (group - g0 < 4 ? group - g0 : 4) {
+                    case 1: value_heads(1, pg, ig, V, kv_bf16, d, S, cap, c0, ag); break;
+                    case 2: value_heads(2, pg, ig, V, kv_bf16, d, S, cap, c0, ag); break;
+                    case 3: value_heads(3, pg, ig, V, kv_bf16, d, S, cap, c0, ag); break;
+                    default: value_heads(4, pg, ig, V, kv_bf16, d, S, cap, c0, ag); break;
+                }
+            }
+        return;
+    }
     for (int c0 = 0; c0 < nd; c0 += 4) { /* four vectors of d at a time stay in registers */
         const int nc = nd - c0 < 4 ? nd - c0 : 4;
         for (int g = 0; g < group; g++) {
@@ -307,6 +390,31 @@ int posttrain_bf16_dot_path(void) {
 /* Elements of a packed (n, k) weight, either dtype: n rounded up to whole blocks of 16 columns. */
 long posttrain_packed_elements(int n, int k) {
     return (long)((n + 15) / 16) * 16 * k;
+}
+
+/* The engine's bf16 weight copies (fused.py: refresh): out (rows, cols) bf16 ← row src_rows[r] (r when NULL) of
+ * the fp32 weight w (·, cols), times norm (cols) where not NULL — the norm weight folded into the columns —
+ * each product rounded once to bf16, to nearest even: the bits torch.mul(w, norm, out=<bf16>) and a bf16 cast
+ * write (NaN stays NaN, not PyTorch's one NaN pattern). One pass, where PyTorch's mixed-dtype multiply reads
+ * the fp32 weight at ~6 GB/s. */
+int posttrain_fold_bf16(int rows, int cols, const float *w, const int64_t *src_rows, const float *norm,
+                        uint16_t *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < rows; r++) {
+        const float *src = w + (src_rows ? src_rows[r] : (int64_t)r) * (long)cols;
+        uint16_t *dst = out + (long)r * cols;
+        int c = 0;
+#if USE_AVX512
+        for (; c < cols; c += 16) {
+            const int n = cols - c < 16 ? cols - c : 16;
+            __m512 v = load16(src, c, 0, n);
+            if (norm) v = _mm512_mul_ps(v, load16(norm, c, 0, n));
+            store16(dst, c, 1, n, v);
+        }
+#endif
+        for (; c < cols; c++) dst[c] = f32_to_bf16(norm ? src[c] * norm[c] : src[c]);
+    }
+    return 0;
 }
 
 int posttrain_pack_bf16(int n, int k, const uint16_t *w, uint16_t *packed, int threads) {
