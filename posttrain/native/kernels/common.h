@@ -84,14 +84,18 @@ static inline __m512 load16(const void *base, long i, int bf16, int n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
-/* the first n of 16 fp32 values into a fp32 or bf16 array (bf16: round to nearest even; no NaN here) */
+/* 16 fp32 values rounded to bf16, to nearest even (no NaN here): each lane's bf16 bits in its low 16 */
+static inline __m512i round16_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+}
+
+/* the first n of 16 fp32 values into a fp32 or bf16 array (bf16: `round16_bf16`) */
 static inline void store16(void *base, long i, int bf16, int n, __m512 v) {
     const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
     if (!bf16) { _mm512_mask_storeu_ps((float *)base + i, m, v); return; }
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(u));
+    _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(round16_bf16(v)));
 }
 #endif
 

@@ -33,11 +33,7 @@ static inline __m512 silu16_rounded(__m512 g, __m512 *s) {
     const __mmask16 neg = _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ);
     const __m512 e = exp16_nonpositive(_mm512_mask_blend_ps(neg, _mm512_sub_ps(zero, g), g));
     *s = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
-    __m512i a = _mm512_castps_si512(_mm512_mul_ps(g, *s));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 16), _mm512_set1_epi32(1));
-    a = _mm512_slli_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7fff)), odd),
-                                            16), 16);
-    return _mm512_castsi512_ps(a);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(round16_bf16(_mm512_mul_ps(g, *s)), 16));
 }
 #endif
 
