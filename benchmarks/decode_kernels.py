@@ -46,7 +46,8 @@ def attention_case(lib, rows: int, layers: int, positions: int, hq: int, hkv: in
     def c(i: int) -> None:
         i %= layers
         lib.posttrain_decode_attention(rows, hq, hkv, d, cap, slot, qkv.data_ptr(), 0, qkv.shape[1], rot.data_ptr(),
-                                       keys[i].data_ptr(), values[i].data_ptr(), 0, None, bias_rows.data_ptr(),
+                                       keys[i].data_ptr(), values[i].data_ptr(), 0, None, None, None, 0, 1,
+                                       bias_rows.data_ptr(),
                                        d ** -0.5, out.data_ptr(), 0, out.shape[1], scratch.data_ptr(), threads)
 
     as_c = lambda t, *shape: torch.view_as_complex(t.view(*shape, d // 2, 2))

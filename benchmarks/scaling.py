@@ -71,8 +71,9 @@ def parse_case(case: str) -> tuple[str, int, bool]:
 
 def physical_limit(model_dir: Path, completion: int, completion_mean: float, peaks) -> dict[str, float]:
     """Seconds no implementation can beat on this CPU: update FLOPs at the bf16 roof + generation bytes at
-    the streaming bandwidth, for the step's shape (2 prompts × G 8, each prompt prefilled once, the measured
-    mean completion length); and the roofline limit, the generation at the larger of its bytes and FLOPs."""
+    the streaming bandwidth, for the step's shape (2 prompts × G 8, each prompt prefilled once and its keys
+    and values read once a decode step for its G samples, the measured mean completion length); and the
+    roofline limit, the generation at the larger of its bytes and FLOPs."""
     from transformers import AutoConfig
 
     from posttrain.telemetry import costs
@@ -88,10 +89,9 @@ def physical_limit(model_dir: Path, completion: int, completion_mean: float, pea
     n = max(1, round(completion_mean))
     groups = grpo_sides.SEQS // grpo_sides.G
     update = costs.train_step(config, batch=groups, seq_len=p + grpo_sides.G * n, dtype="bf16")
-    # the generation: each prompt prefilled once (as our engine does for its G samples), then 16 rows decoded
-    full = costs.decode(config, batch=grpo_sides.SEQS, prompt_len=p, new_tokens=n, dtype="bf16")
-    decode = (full + costs.prefill(config, batch=grpo_sides.SEQS, prompt_len=p, dtype="bf16") * -1.0
-              + costs.prefill(config, batch=groups, prompt_len=p, dtype="bf16"))
+    # the generation: each prompt prefilled once, then 16 rows decoded, a prompt's keys read once for its G
+    # samples (as our engine does both: rollout/cpu/fused.py departure 12)
+    decode = costs.decode(config, batch=grpo_sides.SEQS, prompt_len=p, new_tokens=n, dtype="bf16", samples=grpo_sides.G)
     roof_f, roof_b = peaks.flops_for("bf16"), peaks.bytes_per_s
     # the roofline's own reading of the generation: the larger of its FLOPs and its bytes. At 16 rows a bf16
     # decode step does 16 multiply-adds per weight read (16 FLOP/B), above this CPU's ridge (roof_f / roof_b,

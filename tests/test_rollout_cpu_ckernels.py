@@ -69,7 +69,7 @@ def test_decode_attention_equals_the_pytorch_ops(lib, rows, hq, hkv, d, slot, dt
     bf16 = int(dtype == torch.bfloat16)
     assert lib.posttrain_decode_attention(rows, hq, hkv, d, cap, slot, qkv.data_ptr(), bf16, qkv.shape[1],
                                           rot.data_ptr(), k.data_ptr(), v.data_ptr(), int(kv_dtype == torch.bfloat16),
-                                          None, bias.data_ptr(),
+                                          None, None, None, 0, 1, bias.data_ptr(),
                                           d ** -0.5, out.data_ptr(), bf16, out.shape[1], scratch.data_ptr(), 2) == 0
     # fp32: another summation order → ~1e-6 on outputs of size ~1; bf16: one rounding of the output
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -77,13 +77,59 @@ def test_decode_attention_equals_the_pytorch_ops(lib, rows, hq, hkv, d, slot, dt
     assert torch.allclose(k.float(), k_ref, atol=1e-6) and torch.allclose(v.float(), v_ref, atol=1e-6)  # slot written
 
 
+@pytest.mark.parametrize("share, plen, slot, row_of", [
+    (4, 13, 6, None),          # a prompt's 4 samples; a prefix that is not a whole number of 4-key blocks
+    (3, 8, 0, None),           # the first decode slot: the prefix and the new key only
+    (2, 21, 17, [5, 0, 3]),    # compacted: running rows read cache rows 5, 0, 3 (prefix rows 2, 0, 1)
+])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_over_a_shared_prefix_is_the_expanded_cache(lib, share, plen, slot, row_of, kv_dtype):
+    """Keys and values held once per prompt (`prefix`, read by its `share` samples) give the bits of the same
+    keys copied into every row's cache ahead of its own, and write the new key into the row's own cache."""
+    hq, hkv, d, cap, prompts = 8, 4, 64, slot + 5, 3
+    cache_rows = prompts * share
+    rows = cache_rows if row_of is None else len(row_of)
+    g = torch.Generator().manual_seed(plen * 10 + slot)
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16)
+    angle = torch.rand(rows, d // 2, generator=g) * 6.3
+    rot = torch.stack([angle.cos(), angle.sin()], -1).contiguous()
+    pk, pv = (torch.randn(prompts, hkv, plen, d, generator=g).to(kv_dtype) for _ in range(2))
+    own_k, own_v = (torch.randn(cache_rows, hkv, cap, d, generator=g).to(kv_dtype) for _ in range(2))
+    full_k, full_v = (torch.cat([p.repeat_interleave(share, 0), o], 2) for p, o in ((pk, own_k), (pv, own_v)))
+    key_mask = torch.ones(rows, plen + cap, dtype=torch.bool)
+    key_mask[0, :3] = False                                             # row 0's prompt: left pads
+    bias = torch.zeros(rows, plen + cap).masked_fill_(~key_mask, float("-inf"))
+    of = None if row_of is None else torch.tensor(row_of, dtype=torch.int64)
+    kv_bf16 = int(kv_dtype == torch.bfloat16)
+
+    def attend(k, v, prefix, width, at_slot):
+        out = torch.full((rows, hq * d), float("nan"), dtype=torch.bfloat16)
+        scratch = torch.empty(2, lib.posttrain_scratch_floats(hq // hkv, plen + cap, d))
+        p_k, p_v, n = (None, None, 0) if prefix is None else (prefix[0].data_ptr(), prefix[1].data_ptr(), plen)
+        assert lib.posttrain_decode_attention(rows, hq, hkv, d, width, at_slot, qkv.data_ptr(), 1, qkv.shape[1],
+                                              rot.data_ptr(), k.data_ptr(), v.data_ptr(), kv_bf16,
+                                              None if of is None else of.data_ptr(), p_k, p_v, n, share,
+                                              bias.data_ptr(), d ** -0.5, out.data_ptr(), 1, out.shape[1],
+                                              scratch.data_ptr(), 2) == 0
+        return out
+
+    expanded = attend(full_k, full_v, None, plen + cap, plen + slot)
+    shared = attend(own_k, own_v, (pk, pv), cap, slot)
+    assert torch.equal(shared, expanded) and not shared.isnan().any()
+    assert torch.equal(own_k, full_k[:, :, plen:]) and torch.equal(own_v, full_v[:, :, plen:])  # the new slot
+
+
 def test_decode_attention_refuses_shapes_it_does_not_handle(lib):
     assert not ckernels.supports(8, 3, 64) and not ckernels.supports(8, 4, 40) and ckernels.supports(8, 4, 64)
     buf = torch.zeros(64)
-    args = (buf.data_ptr(), 0, 8, buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), 0, None, buf.data_ptr(), 1.0,
-            buf.data_ptr(), 0, 8, buf.data_ptr(), 1)
+    head = (buf.data_ptr(), 0, 8, buf.data_ptr(), buf.data_ptr(), buf.data_ptr(), 0, None)
+    tail = (buf.data_ptr(), 1.0, buf.data_ptr(), 0, 8, buf.data_ptr(), 1)
+    args = (*head, None, None, 0, 1, *tail)
     assert lib.posttrain_decode_attention(1, 4, 4, 40, 4, 0, *args) == -1   # head_dim not a multiple of 16
     assert lib.posttrain_decode_attention(1, 4, 4, 32, 4, 4, *args) == -1   # slot beyond the capacity
+    assert lib.posttrain_decode_attention(1, 4, 4, 32, 4, 0, *head, None, None, 2, 1, *tail) == -1  # no prefix
+    assert lib.posttrain_decode_attention(1, 4, 4, 32, 4, 0, *head, buf.data_ptr(), buf.data_ptr(), 1, 0,
+                                          *tail) == -1                      # a prefix shared by no rows
 
 
 @pytest.mark.parametrize("hidden, in_dtype, out_dtype", [(128, torch.float32, torch.float32),

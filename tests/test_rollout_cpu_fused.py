@@ -176,8 +176,17 @@ def test_a_plan_on_cache_rows_equals_one_on_the_selected_cache(tok, dtype):
             dec.plan(a, key_mask[:1], cache_rows=torch.tensor([5]))
         plain = FusedDecoder(model, matmul="mm", compute=dtype, decode_ops="torch")
         plain.prepare(16, torch.device("cpu"))
-        with pytest.raises(ValueError, match="needs the C attention kernel"):
+        with pytest.raises(ValueError, match="need the C attention kernel"):
             plain.plan(a, key_mask[keep], cache_rows=keep)
+        prefix = _cache(model, 1, 6)                                   # a prompt's keys read by 5 rows
+        prefix.advance(6)
+        wide = torch.ones(5, 16, dtype=torch.bool)
+        with pytest.raises(ValueError, match="need the C attention kernel"):
+            plain.plan(a, wide, prefix=prefix, share=5)
+        with pytest.raises(ValueError, match="does not cover the cache's 5 rows"):
+            dec.plan(a, wide, prefix=prefix, share=4)
+        with pytest.raises(ValueError, match=r"key_mask has shape \(5, 10\), expected \(5, 16\)"):
+            dec.plan(a, key_mask, prefix=prefix, share=5)
 
 
 def test_qwen2_with_biases_matches_generate_token_for_token(tok):

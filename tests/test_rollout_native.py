@@ -177,6 +177,33 @@ def test_compaction_does_not_change_any_sample(tok, tiny1m, seed):
     assert (tf - always.policy_logprobs)[always.completion_mask].abs().max() <= 1e-4  # compacted rows stay right
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_samples_read_their_prompt_from_one_copy(tok, tiny1m, dtype):
+    # n = 3 samples of each prompt, with the C attention: the prefill's keys and values are read in place by
+    # every sample (cpu/fused.py departure 12), not copied into each row; tokens, log-probs and the rows kept
+    # for a later call (their prompt from the shared copy, their tokens from their own cache) are the bits of
+    # the engine that copies them (`KVCache.expand`, as the paths without the C attention do)
+    prompts, eos = prompts_of(tok, 4), list(range(40))                   # rows end at different steps
+    params = SamplingParams(n=3, max_new_tokens=12, seed=3)
+    opts = {"eos_token_ids": eos, "compact_below": 1.0, "dtype": dtype, "compute": dtype}
+    shared = NativeEngine(tiny1m, tok, **opts)
+    assert shared.step.gathers_rows(torch.device("cpu"))
+    got = shared.generate(prompts, params, keep=list(range(12)))
+    plen, rows = got.prompt_ids.shape[1], 12
+    layer_bytes = 2 * tiny1m.config.num_key_value_heads * tiny1m.config.head_dim * dtype.itemsize
+    assert shared.memory_bytes()["KV cache"] == tiny1m.config.num_hidden_layers * layer_bytes * (4 * plen + rows * 12)
+    copied = NativeEngine(tiny1m, tok, **opts, share_prompts=False)
+    want = copied.generate(prompts, params, keep=list(range(12)))
+    assert copied.memory_bytes()["KV cache"] == tiny1m.config.num_hidden_layers * layer_bytes * rows * (plen + 12)
+    assert (want.completion_lengths < 12).sum() >= 3                   # compaction really happened
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert torch.equal(got.policy_logprobs, want.policy_logprobs) and torch.equal(got.logprobs, want.logprobs)
+    for j in range(rows):
+        a, b = shared.prefix_cache.entries[j], copied.prefix_cache.entries[j]
+        assert a.ids == b.ids
+        assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
+
+
 @pytest.mark.parametrize("matmul", ["mkl", "dnn"])
 def test_packed_matmuls_with_compaction_give_the_mm_samples(tok, tiny1m, matmul):
     # packed weights (forced here; "auto" packs only large models) through compactions: the mkl pack for

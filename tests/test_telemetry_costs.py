@@ -124,6 +124,26 @@ def test_decode_closed_form_equals_loop():
         assert closed.flops == pytest.approx(naive.flops, rel=1e-12)
         assert closed.bytes == pytest.approx(naive.bytes, rel=1e-12)
     assert costs.decode(cfg, batch=2, prompt_len=5, new_tokens=0) == Cost()
+    for samples, prompt_len, new in [(2, 5, 2), (3, 17, 40)]:  # 2 prompts' samples: each prompt read once a step
+        closed = costs.decode(cfg, batch=2 * samples, prompt_len=prompt_len, new_tokens=new, samples=samples)
+        naive = costs._generate_naive(cfg, batch=2 * samples, prompt_len=prompt_len, new_tokens=new, samples=samples)
+        assert closed.flops == pytest.approx(naive.flops, rel=1e-12)
+        assert closed.bytes == pytest.approx(naive.bytes, rel=1e-12)
+
+
+def test_samples_of_a_prompt_read_its_keys_once_and_prefill_it_once():
+    # 2 prompts × 3 samples against 6 independent rows: a prefill of 2 prompts, not 6, and at each of the
+    # N − 1 decode steps 4 fewer reads of a prompt's keys and values (2·kv_dim·L elements a position:
+    # 2·(2·16)·2 = 128, fp32 → 512 bytes); the FLOPs of the decode steps are the same
+    _, cfg = CONFIGS["llama-gqa-untied"]
+    p, n = 9, 5
+    alone = costs.decode(cfg, batch=6, prompt_len=p, new_tokens=n, dtype="fp32")
+    shared = costs.decode(cfg, batch=6, prompt_len=p, new_tokens=n, dtype="fp32", samples=3)
+    six, two = (costs.prefill(cfg, batch=b, prompt_len=p, dtype="fp32") for b in (6, 2))
+    assert alone.flops - shared.flops == pytest.approx(six.flops - two.flops, rel=1e-12)
+    assert alone.bytes - shared.bytes == pytest.approx(six.bytes - two.bytes + (n - 1) * 4 * p * 512, rel=1e-12)
+    with pytest.raises(ValueError, match="samples=4"):
+        costs.decode(cfg, batch=6, prompt_len=p, new_tokens=n, samples=4)
 
 
 def test_decode_bytes_grow_with_context_by_kv_read():

@@ -37,6 +37,11 @@ class KVCache:
         return self.keys[0].shape[0]
 
     @property
+    def nbytes(self) -> int:
+        """The bytes its buffers hold (keys and values of every layer)."""
+        return sum(t.nbytes for t in (*self.keys, *self.values))
+
+    @property
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 

@@ -5,10 +5,11 @@ Autoregressive sampling as in Radford et al. 2019 (GPT-2), with the KV cache of 
 token attending to the cached keys/values.
 
 Departures from `transformers` `generate` (numbered):
-1. Prefill runs once per *prompt*; its KV cache is then copied to the n samples of that prompt
-   (`KVCache.expand`) instead of prefilling n identical copies.
-2. The cache is allocated once for prompt + max_new_tokens and written in place (no per-step
-   concatenation); all rows share one write slot because prompts are left-padded.
+1. Prefill runs once per *prompt*, not for n identical copies. Where the C decode attention runs, the n
+   samples of the prompt then read its keys and values from that one cache (`share_prompts`;
+   `cpu/fused.py` departure 12); elsewhere it is copied to each of them (`KVCache.expand`).
+2. The cache is allocated once for max_new_tokens (and the prompt, where it is copied) and written in
+   place (no per-step concatenation); all rows share one write slot because prompts are left-padded.
 3. Finished rows stop costing work: once at most `compact_below` of the running rows are still
    live, the batch (cache, masks, positions) is compacted to the live rows.
 4. Sampling is one pure function on fp32 logits (`sampling.sample`; its buffer-writing twin
@@ -124,6 +125,9 @@ class NativeEngine:
         (`generate(keep=)`, departure 7; 0 = keep nothing). A kept row of C tokens costs
         2·layers·kv_heads·head_dim·C·(4 or 2) bytes: tiny-30m (10 layers, 4 kv heads × 64), fp32, is
         20,480 bytes a token, 6.1 MB for 300 tokens; the default cap holds 43 such rows.
+    share_prompts: where the C attention runs, the n samples of a prompt read its keys and values from
+        the prefill's one copy (`cpu/fused.py` departure 12; the KV cache holds B·P + R·N positions, not
+        R·(P + N)); False copies them into every sample's row, as the other paths do (an A/B setting).
     """
 
     name = "native"
@@ -131,7 +135,7 @@ class NativeEngine:
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None, *,
                  kernels: str = "auto", dtype: torch.dtype | None = None, compact_below: float = 0.875,
                  eos_token_ids: Sequence[int] | None = None, matmul: str = "auto", compute: torch.dtype | str = "auto",
-                 decode_ops: str = "auto", prefix_cache_bytes: int = 256 * 2**20):
+                 decode_ops: str = "auto", prefix_cache_bytes: int = 256 * 2**20, share_prompts: bool = True):
         if kernels not in ("auto", "fused", "hf"):
             raise ValueError(f"NativeEngine: kernels={kernels!r}; expected 'auto', 'fused' or 'hf'")
         if not 0.0 <= compact_below <= 1.0:
@@ -148,7 +152,7 @@ class NativeEngine:
         self.kernels = "fused" if use_fused else "hf"
         self.step = FusedDecoder(model, dtype, matmul=matmul, compute=compute, decode_ops=decode_ops) if use_fused else HFForward(model)
         self.dtype = dtype or model_dtype
-        self.compact_below = compact_below
+        self.compact_below, self.share_prompts = compact_below, share_prompts
         self.eos_ids = list(eos_token_ids) if eos_token_ids is not None else eos_ids_of(model, tokenizer)
         self.pad_id = pad_id_of(model, tokenizer, self.eos_ids)
         cfg = model.config
@@ -293,19 +297,28 @@ class NativeEngine:
         return cache, logits, key_mask
 
     def _keep(self, key: Hashable, cache: KVCache, row: int, prompt: list[int], key_mask: Tensor,
-              completion: list[int]) -> None:
+              completion: list[int], prefix: KVCache | None = None, prefix_row: int = 0) -> None:
         """Copy one finished row's keys/values out of `cache` into the prefix cache: the prompt's slots
-        (`key_mask` (W,) True) and the first len(completion) decode slots (its tokens but the last)."""
+        (`key_mask` (W,) True) and the first len(completion) decode slots (its tokens but the last). With
+        `prefix` (departure 12 of `cpu/fused.py`), the prompt's slots are row `prefix_row` of it and the
+        decode slots start `cache`'s row."""
         width = key_mask.shape[0]
-        slots = torch.cat([key_mask.nonzero()[:, 0],
-                           torch.arange(width, width + len(completion), device=key_mask.device)])  # (C,)
-        c = slots.numel()
+        prompt_slots = key_mask.nonzero()[:, 0]
+        own = torch.arange(len(completion), device=key_mask.device) + (0 if prefix is not None else width)
+        c = prompt_slots.numel() + own.numel()
         per = 2 * self.layers * self.kv_heads * c * self.head_dim * self.step.cache_dtype.itemsize
         if not self.prefix_cache.fits(per):                                    # never copy what cannot be kept
             self.prefix_cache.refuse(key)
             return
-        keys = [k[row].index_select(1, slots) for k in cache.keys]            # (kv_heads, C, head_dim) each
-        values = [v[row].index_select(1, slots) for v in cache.values]
+        if prefix is None:
+            slots = torch.cat([prompt_slots, own])                              # (C,)
+            keys = [k[row].index_select(1, slots) for k in cache.keys]        # (kv_heads, C, head_dim) each
+            values = [v[row].index_select(1, slots) for v in cache.values]
+        else:
+            keys = [torch.cat([p[prefix_row].index_select(1, prompt_slots), k[row].index_select(1, own)], 1)
+                    for p, k in zip(prefix.keys, cache.keys)]
+            values = [torch.cat([p[prefix_row].index_select(1, prompt_slots), v[row].index_select(1, own)], 1)
+                      for p, v in zip(prefix.values, cache.values)]
         self.prefix_cache.store(key, PrefixEntry(tuple(prompt) + tuple(completion), keys, values))
 
     def _decode(self, ids: list[list[int]], params: SamplingParams, device: torch.device,
@@ -349,16 +362,18 @@ class NativeEngine:
                    torch.empty(rows, dtype=torch.float32, device=device))
         plan = None
         # Where the decode step's C attention runs, compaction leaves the cache in place and the plan reads
-        # row r's keys and values at cache row cache_rows[r]: no copy of the cache.
+        # row r's keys and values at cache row cache_rows[r]: no copy of the cache; and a prompt's n samples
+        # read its keys and values from the prefill's cache (`prefix`), each its own tokens' from `cache`.
         gathers = isinstance(self.step, FusedDecoder) and self.step.gathers_rows(device)
-        cache_rows = None
+        cache_rows, prefix = None, None
         kept = [] if keep is None else [j for j, k in enumerate(keep) if k is not None]  # rows to keep (departure 7)
         selected = False                                                       # whether cache.select moved rows
 
         def keep_rows(orig: list[int], cache_row: Callable[[int], int]) -> None:
             for j in orig:  # the row's prompt and its tokens but the last (never fed, so not in the cache)
                 k = int(stop_step[j]) + 1 if int(stop_step[j]) < budget else budget
-                self._keep(keep[j], cache, cache_row(j), ids[j // n], prompt_keys[j // n], tokens[:k - 1, j].tolist())
+                self._keep(keep[j], cache, cache_row(j), ids[j // n], prompt_keys[j // n], tokens[:k - 1, j].tolist(),
+                           prefix, j // n)
 
         for t in range(budget):
             full = active.numel() == rows                                      # not compacted yet: plain rows
@@ -391,7 +406,13 @@ class NativeEngine:
             if n_live == 0 or t == budget - 1:
                 break
             if t == 0 and n > 1:                                               # first decode step: share the prefill
-                cache, plan = cache.expand(n, plen + budget), None
+                if gathers and self.share_prompts:                             # read in place (fused.py departure 12)
+                    prefix, plan = cache, None
+                    cache = self._cache(rows, budget, device)
+                    self._kv_bytes += prefix.nbytes
+                else:
+                    cache, plan = cache.expand(n, plen + budget), None
+                    self._kv_bytes = cache.nbytes
             if n_live <= self.compact_below * live.numel() and n_live < live.numel():
                 alive = live.nonzero()[:, 0]                                    # compaction
                 if gathers:
@@ -407,8 +428,8 @@ class NativeEngine:
                 active, live, tok = active[alive], live[alive], tok[alive]
                 key_mask, next_pos, plan = key_mask[alive], next_pos[alive], None
             if plan is None:
-                plan = self.step.plan(cache, key_mask) if cache_rows is None else \
-                    self.step.plan(cache, key_mask, cache_rows)
+                plan = (self.step.plan(cache, key_mask) if cache_rows is None and prefix is None else
+                        self.step.plan(cache, key_mask, cache_rows, prefix=prefix, share=n))
             logits = plan(tok, next_pos + t)                                   # (r, V)
 
         if kept:  # where each row's keys are now

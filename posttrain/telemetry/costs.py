@@ -200,6 +200,11 @@ def _check(**values: int) -> None:
             raise ValueError(f"costs: {name}={value!r}; expected a non-negative int")
 
 
+def _check_samples(batch: int, samples: int) -> None:
+    if not isinstance(samples, int) or samples < 1 or batch % samples:
+        raise ValueError(f"costs: samples={samples!r}; expected a positive int dividing batch={batch}")
+
+
 def _head_rows(logits: Logits, batch: int, tokens: int) -> tuple[int, int]:
     """(rows through the head, head output width factor): 'all' → B·T rows, 'last' → B rows."""
     if logits == "all":
@@ -224,8 +229,10 @@ class _Traffic:
         return Cost(self.flops, nbytes * (self.weights + self.activations + self.kv_written))
 
 
-def _forward(s: ModelShape, batch: int, tokens: int, context: int, logits: Logits, kv_write: bool) -> _Traffic:
-    """One forward over `tokens` new positions per sequence attending to `context` keys each.
+def _forward(s: ModelShape, batch: int, tokens: int, context: int, logits: Logits, kv_write: bool,
+             shared: int = 0, samples: int = 1) -> _Traffic:
+    """One forward over `tokens` new positions per sequence attending to `context` keys each; the first
+    `shared` of them are read once for every `samples` sequences (a prompt's samples sharing its cache).
 
     FLOPs: 2·(B·T)·(matmul params of all layers) + 4·B·T·S·(H·Q)·L (scores + P·V) + the head.
     """
@@ -249,7 +256,7 @@ def _forward(s: ModelShape, batch: int, tokens: int, context: int, logits: Logit
         + q + q                   # attention: read Q, write O
     )
     act = n * s.layers * per_token_layer
-    act += batch * context * 2 * kv * s.layers                   # attention reads K,V over the context
+    act += (batch * (context - shared) + batch // samples * shared) * 2 * kv * s.layers  # attention reads K,V
     act += head_rows * (h + head_out)                            # head: read h, write logits
     kv_written = n * 2 * kv * s.layers if kv_write else 0        # new K,V appended to the cache
     return _Traffic(flops, float(weights), float(act), float(kv_written))
@@ -274,47 +281,58 @@ def prefill(config: Any, *, batch: int, prompt_len: int, logits: Logits = "last"
     return _forward(_shape(config), batch, prompt_len, prompt_len, logits, kv_write=True).cost(nbytes)
 
 
-def decode_step(config: Any, *, batch: int, context: int, dtype: torch.dtype | str | None = None) -> Cost:
+def decode_step(config: Any, *, batch: int, context: int, dtype: torch.dtype | str | None = None,
+                shared: int = 0, samples: int = 1) -> Cost:
     """One decode step: B new tokens, each attending to `context` keys (the cache plus itself).
 
     Bytes are dominated by the weights (read once per step, whatever the batch) and the KV cache
-    (2·L·kv_heads·head_dim·context·B elements read, 2·L·kv_heads·head_dim·B written).
+    (2·L·kv_heads·head_dim·context·B elements read, 2·L·kv_heads·head_dim·B written). With `samples` > 1
+    the B rows are B / samples prompts' samples and the first `shared` keys of each row (its prompt's)
+    are read once per prompt.
     """
-    _check(batch=batch, context=context)
+    _check(batch=batch, context=context, shared=shared)
+    _check_samples(batch, samples)
     nbytes = bytes_per_element(_dtype(config, dtype))
-    return _forward(_shape(config), batch, 1, context, "all", kv_write=True).cost(nbytes)
+    return _forward(_shape(config), batch, 1, context, "all", kv_write=True, shared=shared, samples=samples).cost(nbytes)
 
 
 def decode(config: Any, *, batch: int, prompt_len: int, new_tokens: int,
-           dtype: torch.dtype | str | None = None) -> Cost:
+           dtype: torch.dtype | str | None = None, samples: int = 1) -> Cost:
     """Generating `new_tokens` per sequence: prefill + (new_tokens − 1) decode steps, summed exactly.
 
     Step j (1 ≤ j < N) attends to P + j keys. Every term of a step is affine in its context c,
     step(c) = step(0) + c·(step(1) − step(0)), so Σ_j step(P + j) = (N−1)·step(0) + C·Δ with
     C = Σ_{j=1}^{N−1} (P + j) = (N−1)·P + (N−1)·N/2.
+
+    `samples`: the B sequences are B / samples prompts' samples — each prompt prefilled once, and its keys
+    and values read once per decode step for all its samples (the least any engine moves; the native
+    engine's shared prompt cache, `rollout/cpu/fused.py` departure 12, does so).
     """
     _check(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+    _check_samples(batch, samples)
     if new_tokens == 0:
         return Cost()
     s, nbytes = _shape(config), bytes_per_element(_dtype(config, dtype))
-    total = _forward(s, batch, prompt_len, prompt_len, "last", kv_write=True).cost(nbytes)
+    total = _forward(s, batch // samples, prompt_len, prompt_len, "last", kv_write=True).cost(nbytes)
     steps = new_tokens - 1
     if steps:
-        f0 = _forward(s, batch, 1, 0, "all", kv_write=True).cost(nbytes)
-        f1 = _forward(s, batch, 1, 1, "all", kv_write=True).cost(nbytes)
+        shared = prompt_len if samples > 1 else 0
+        f0 = _forward(s, batch, 1, 0, "all", kv_write=True, shared=shared, samples=samples).cost(nbytes)
+        f1 = _forward(s, batch, 1, 1, "all", kv_write=True, shared=shared, samples=samples).cost(nbytes)
         context_sum = steps * prompt_len + steps * (steps + 1) / 2
         total = total + f0 * steps + Cost(f1.flops - f0.flops, f1.bytes - f0.bytes) * context_sum
     return total
 
 
 def _generate_naive(config: Any, *, batch: int, prompt_len: int, new_tokens: int,
-                    dtype: torch.dtype | str | None = None) -> Cost:
+                    dtype: torch.dtype | str | None = None, samples: int = 1) -> Cost:
     """The loop `decode` sums in closed form (kept to prove the closed form right)."""
     if new_tokens == 0:
         return Cost()
-    total = prefill(config, batch=batch, prompt_len=prompt_len, dtype=dtype)
+    total = prefill(config, batch=batch // samples, prompt_len=prompt_len, dtype=dtype)
     for j in range(1, new_tokens):
-        total = total + decode_step(config, batch=batch, context=prompt_len + j, dtype=dtype)
+        total = total + decode_step(config, batch=batch, context=prompt_len + j, dtype=dtype,
+                                    shared=prompt_len if samples > 1 else 0, samples=samples)
     return total
 
 

@@ -47,8 +47,8 @@ def build(generic: bool = False) -> Path:
 _I, _P, _N, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 _GEMM = (_I, _I, _I, _P, _N, _P, _P, _P, _N, _I, _I)
 SIGNATURES = {  # name: (result, arguments), as in kernels/decode.c
-    "posttrain_decode_attention": (_I, (_I, _I, _I, _I, _I, _I, _P, _I, _N, _P, _P, _P, _I, _P, _P, _F, _P, _I, _N,
-                                        _P, _I)),
+    "posttrain_decode_attention": (_I, (_I, _I, _I, _I, _I, _I, _P, _I, _N, _P, _P, _P, _I, _P, _P, _P, _I, _I, _P,
+                                        _F, _P, _I, _N, _P, _I)),
     "posttrain_scratch_floats": (_N, (_I, _I, _I)),
     "posttrain_vector_path": (_I, ()),
     "posttrain_bf16_dot_path": (_I, ()),

@@ -23,26 +23,38 @@ class DecodePlan:
 
     Bound to one cache and its rows; `key_mask` (R, capacity) bool marks the key slots a row may
     attend to (its real prompt tokens and every generated slot). Call: `plan(tokens (R,), positions (R,))`
-    → logits (R, V) fp32, valid until the next call. With `cache_rows` (C attention only), running row
-    r reads and writes cache row `cache_rows[r]`.
+    → logits (R, V) fp32, valid until the next call. With the C attention only:
+    - `cache_rows`: running row r reads and writes cache row `cache_rows[r]`;
+    - `prefix` (a full cache, length = capacity) and `share`: every cache row c attends first to prefix
+      row c // share — a prompt's keys and values, held once for its `share` samples (`fused.py`
+      departure 12) — then to its own; `key_mask` is then (R, prefix.capacity + capacity).
     """
 
     def __init__(self, dec: Decoder, cache: KVCache, key_mask: Tensor, kind: str = "mm",
-                 lib: ctypes.CDLL | None = None, cache_rows: Tensor | None = None):
+                 lib: ctypes.CDLL | None = None, cache_rows: Tensor | None = None, *,
+                 prefix: KVCache | None = None, share: int = 1):
         w, dt, f32 = dec.weights, dec.compute_dtype, torch.float32
         if cache_rows is not None:
             cache_rows = cache_rows.to(torch.int64).contiguous()           # the kernel reads it by pointer
             if cache_rows.numel() and not 0 <= int(cache_rows.min()) <= int(cache_rows.max()) < cache.rows:
                 raise ValueError(f"DecodePlan: cache_rows must index the cache's {cache.rows} rows")
+        if prefix is not None:
+            if share < 1 or prefix.rows * share < cache.rows:
+                raise ValueError(f"DecodePlan: a prefix of {prefix.rows} rows, each shared by {share}, does not "
+                                 f"cover the cache's {cache.rows} rows")
+            if prefix.length != prefix.capacity or prefix.keys[0].dtype != cache.keys[0].dtype:
+                raise ValueError("DecodePlan: the prefix must be full (length = capacity) and of the cache's dtype")
         rows = cache.rows if cache_rows is None else cache_rows.numel()
         cap, dev = cache.capacity, cache.keys[0].device
+        width = cap + (0 if prefix is None else prefix.capacity)          # the key slots a row attends to
         hq, hkv, d, hidden = dec.heads, dec.kv_heads, dec.head_dim, dec.hidden
         if cache.keys[0].dtype not in (f32, torch.bfloat16):
             raise ValueError(f"DecodePlan: the KV cache must be fp32 or bf16 (FusedDecoder.cache_dtype), "
                              f"got {cache.keys[0].dtype}")
-        if key_mask.shape != (rows, cap):
-            raise ValueError(f"DecodePlan: key_mask has shape {tuple(key_mask.shape)}, expected {(rows, cap)}")
+        if key_mask.shape != (rows, width):
+            raise ValueError(f"DecodePlan: key_mask has shape {tuple(key_mask.shape)}, expected {(rows, width)}")
         self.dec, self.cache, self.rows, self.kind = dec, cache, rows, kind
+        self.prefix, self.share = prefix, share
         self.layers, self.lm_head = w.projections(kind, rows)
         group, nqkv = hq // hkv, (hq + 2 * hkv) * d
         empty = lambda *shape, dtype=dt: torch.empty(shape, dtype=dtype, device=dev)
@@ -73,12 +85,12 @@ class DecodePlan:
         self.h_row, self.h_col = self.h32.view(rows, 1, hidden), self.h32.view(rows, hidden, 1)
         self.x_row = self.x.view(rows, 1, hidden)
         self.gate, self.up = self.gu[:, :inter], self.gu[:, inter:]
-        if cache_rows is None and cache.keys[0].dtype == f32:              # the PyTorch attention's cache views
+        if cache_rows is None and prefix is None and cache.keys[0].dtype == f32:  # the PyTorch attention's views
             self.k_cache_c = [as_c(k, rows, hkv, cap) for k in cache.keys]  # (R, Hkv, cap, D/2) complex
             self.k_flat = [k.view(rows * hkv, cap, d) for k in cache.keys]   # (R·Hkv, cap, D)
             self.v_flat = [v.view(rows * hkv, cap, d) for v in cache.values]
-        bias = torch.zeros(rows, hkv, 1, cap, dtype=f32, device=dev)
-        self.bias = bias.masked_fill_(~key_mask[:, None, None, :], float("-inf")).view(rows * hkv, 1, cap)
+        bias = torch.zeros(rows, hkv, 1, width, dtype=f32, device=dev)
+        self.bias = bias.masked_fill_(~key_mask[:, None, None, :], float("-inf")).view(rows * hkv, 1, width)
         self.inv_hidden = 1.0 / hidden
         # mean h² as a batched dot product is the cheapest form for one row or a short hidden size; for
         # longer rows its per-row GEMV loses to a plain reduction, worst with 2 threads (1 / 2 threads, µs
@@ -95,8 +107,8 @@ class DecodePlan:
         self.lib, self.cache_rows = lib, cache_rows
         if lib is not None:
             self._bind_c(lib, key_mask)
-        if cache_rows is not None and self._attention is DecodePlan._attention_torch:
-            raise ValueError("DecodePlan: cache_rows needs the C attention kernel (FusedDecoder.gathers_rows)")
+        if (cache_rows is not None or prefix is not None) and self._attention is DecodePlan._attention_torch:
+            raise ValueError("DecodePlan: cache_rows and prefix need the C attention kernel (FusedDecoder.gathers_rows)")
         if cache.keys[0].dtype != f32 and self._attention is DecodePlan._attention_torch:
             raise ValueError("DecodePlan: a bf16 KV cache needs the C attention kernel (FusedDecoder.cache_dtype)")
 
@@ -168,15 +180,19 @@ class DecodePlan:
         self._norm, self._swiglu = normalise, silu_mul
         if not ckernels.supports(hq, hkv, d):
             return
-        self.bias_rows = torch.zeros(rows, cap, dtype=f32).masked_fill_(~key_mask, float("-inf"))
-        self.scratch = torch.empty(threads, lib.posttrain_scratch_floats(hq // hkv, cap, d), dtype=f32)
+        plen = 0 if self.prefix is None else self.prefix.capacity
+        self.bias_rows = torch.zeros(rows, plen + cap, dtype=f32).masked_fill_(~key_mask, float("-inf"))
+        self.scratch = torch.empty(threads, lib.posttrain_scratch_floats(hq // hkv, plen + cap, d), dtype=f32)
         head = (rows, hq, hkv, d, cap)
         middle = (self.qkv.data_ptr(), is_bf16(self.qkv), self.qkv.shape[1], self.rot.data_ptr())
         tail = (self.bias_rows.data_ptr(), dec.scaling, self.attn_w.data_ptr(), is_bf16(self.attn_w),
                 self.attn_w.shape[1], self.scratch.data_ptr(), threads)
         rows_of = 0 if self.cache_rows is None else self.cache_rows.data_ptr()  # 0: NULL, row r is cache row r
         kv_bf16 = int(self.cache.keys[0].dtype == bf16)
-        caches = [(k.data_ptr(), v.data_ptr(), kv_bf16, rows_of) for k, v in zip(self.cache.keys, self.cache.values)]
+        prefixes = ([(None, None)] * len(self.cache.keys) if self.prefix is None
+                    else [(k.data_ptr(), v.data_ptr()) for k, v in zip(self.prefix.keys, self.prefix.values)])
+        caches = [(k.data_ptr(), v.data_ptr(), kv_bf16, rows_of, *pkv, plen, self.share)
+                  for k, v, pkv in zip(self.cache.keys, self.cache.values, prefixes)]
         attend = lib.posttrain_decode_attention
 
         def attention(_plan: DecodePlan, i: int, slot: int) -> None:

@@ -52,6 +52,11 @@ Departures from the HF forward (numbered):
    copy); the module is never merged or rebuilt, and disabling the adapters rebuilds from W₀. Adapters
    elsewhere (the embedding) or of another kind (DoRA) are refused with the reason
    (`fused_unsupported_reason`); the engine then runs the HF forward, adapters unmerged.
+12. The n samples of a prompt read its keys and values from one copy: with the C attention the engine
+   keeps the prefill's cache (one row per prompt) as the decode's `prefix` and gives each sample a cache
+   of its own for the tokens it generates; the kernel reads a row's prompt positions, then its own, in
+   one loop (the same sums in the same order as one cache holding both: the same bits). Elsewhere the
+   prefill's cache is copied into every sample's row (`KVCache.expand`).
 `HFForward` in `native.py` is the naive version; `FusedDecoder.__call__` (any number of new tokens)
 is the reference for `DecodePlan` (one); `tests/test_rollout_native.py` proves all three agree.
 """
@@ -529,16 +534,20 @@ class FusedDecoder:
         return lib
 
     def gathers_rows(self, device: torch.device) -> bool:
-        """Whether `plan` takes `cache_rows` here: the C attention kernel runs (it reads each row's keys
-        and values where they are), so compaction needs no copy of the cache."""
+        """Whether `plan` takes `cache_rows` and `prefix` here: the C attention kernel runs (it reads each
+        row's keys and values where they are), so compaction needs no copy of the cache, and a prompt's
+        samples need no copy of its keys and values (departure 12)."""
         return (self.decode_library(device) is not None and ckernels.supports(self.heads, self.kv_heads, self.head_dim)
                 and self.compute_dtype in (torch.float32, torch.bfloat16))
 
-    def plan(self, cache: KVCache, key_mask: Tensor, cache_rows: Tensor | None = None) -> DecodePlan:
+    def plan(self, cache: KVCache, key_mask: Tensor, cache_rows: Tensor | None = None, *,
+             prefix: KVCache | None = None, share: int = 1) -> DecodePlan:
         """A one-token-per-row step bound to `cache` (rebuild after the cache's rows change).
 
-        `cache_rows` (R,) int64: the cache row of each running row, where `gathers_rows` (else the
-        cache's rows are the running rows, in order)."""
+        Where `gathers_rows`: `cache_rows` (R,) int64, the cache row of each running row (else the cache's
+        rows are the running rows, in order); `prefix`, keys and values cache row c attends to before its
+        own, at prefix row c // `share` (departure 12)."""
         device = cache.keys[0].device
         rows = cache.rows if cache_rows is None else cache_rows.numel()
-        return DecodePlan(self, cache, key_mask, self._kind(rows, device), self.decode_library(device), cache_rows)
+        return DecodePlan(self, cache, key_mask, self._kind(rows, device), self.decode_library(device), cache_rows,
+                          prefix=prefix, share=share)

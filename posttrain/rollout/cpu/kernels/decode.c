@@ -18,7 +18,11 @@
  *                               here (the key rotated, rounded to bf16 once in a bf16 cache)
  *   row_of  (rows,) int64       the cache row of each row, or NULL for row r = cache row r: finished rows
  *                               leave the batch without copying the cache (compaction is a new row_of)
- *   bias    (rows, cap)         0 where the row may attend, -inf at its pads; slot `slot` must be 0
+ *   pk, pv  (cache_rows / share, hkv, plen, d) or NULL (plen 0): keys and values every row reads before
+ *                               its own — a prompt's, held once for the `share` samples of it (cache row
+ *                               c reads prefix row c / share)
+ *   bias    (rows, plen + cap)  0 where the row may attend, -inf at its pads: the prefix's plen slots,
+ *                               then the row's own; own slot `slot` must be 0
  *   out     (rows, out_stride)  the attention output, hq heads of d
  *   scratch (threads, scratch_floats(hq / hkv, cap, d))
  * The scores are scaled by `scaling` (the query is, before its products), the softmax subtracts each
@@ -77,44 +81,58 @@ static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 #endif
 
-/* probabilities p (group × cap, the first S of each row) ← softmax(q · Kᵀ + bias); returns 1/Σ per row in inv */
 static inline float kv_at(const void *base, long i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-static void scores_softmax(const float *q, const void *K, int kv_bf16, const float *bias, int group, int d, int S,
+/* The n positions of keys (or values) one row attends to: the first na at `a` (the shared prefix), the rest
+ * at `b` (its own cache), `bytes` each. Position t is read wherever it lies, in one loop over all n: the sums
+ * are the same, in the same order, as over one cache holding both. */
+typedef struct {
+    const char *a, *b;
+    int na, n;
+    long bytes;
+} segments;
+
+static inline const char *at(const segments *s, int t) {
+    return t < s->na ? s->a + (long)t * s->bytes : s->b + (long)(t - s->na) * s->bytes;
+}
+
+/* probabilities p (group × cap, the first K->n of each row) ← softmax(q · Kᵀ + bias); returns 1/Σ per row in inv */
+static void scores_softmax(const float *q, const segments *K, int kv_bf16, const float *bias, int group, int d,
                            int cap, float *p, float *inv) {
+    const int S = K->n;
 #if USE_AVX512
     const int nd = d / 16;
     int t = 0;
     /* four keys at a time: their four dot products are summed across lanes together (`sum4`: 13 operations
      * where four horizontal sums take 32, on four independent chains) */
     for (; t + 4 <= S; t += 4) {
+        const char *k0 = at(K, t), *k1 = at(K, t + 1), *k2 = at(K, t + 2), *k3 = at(K, t + 3);
         for (int i = 0; i < 4; i++) {
-            const long ahead = ((long)(t + i + PREFETCH_ROWS) * d) << (2 - kv_bf16);  /* bytes */
-            for (int c = 0; c < (d << (2 - kv_bf16)); c += 64) _mm_prefetch((const char *)K + ahead + c, _MM_HINT_T0);
+            const char *ahead = at(K, t + i + PREFETCH_ROWS);  /* past the end: a prefetch never faults */
+            for (long c = 0; c < K->bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
         }
         for (int g = 0; g < group; g++) {
             const float *qg = q + g * d;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int c = 0; c < nd; c++) {
                 const __m512 qc = _mm512_loadu_ps(qg + 16 * c);
-                const long k = (long)t * d + 16 * c;
-                a0 = _mm512_fmadd_ps(qc, load16(K, k, kv_bf16, 16), a0);
-                a1 = _mm512_fmadd_ps(qc, load16(K, k + d, kv_bf16, 16), a1);
-                a2 = _mm512_fmadd_ps(qc, load16(K, k + 2 * d, kv_bf16, 16), a2);
-                a3 = _mm512_fmadd_ps(qc, load16(K, k + 3 * d, kv_bf16, 16), a3);
+                a0 = _mm512_fmadd_ps(qc, load16(k0, 16 * c, kv_bf16, 16), a0);
+                a1 = _mm512_fmadd_ps(qc, load16(k1, 16 * c, kv_bf16, 16), a1);
+                a2 = _mm512_fmadd_ps(qc, load16(k2, 16 * c, kv_bf16, 16), a2);
+                a3 = _mm512_fmadd_ps(qc, load16(k3, 16 * c, kv_bf16, 16), a3);
             }
             _mm_storeu_ps(p + g * cap + t, _mm_add_ps(sum4(a0, a1, a2, a3), _mm_loadu_ps(bias + t)));
         }
     }
     for (; t < S; t++) {
-        const long k = (long)t * d, ahead = (k + (long)PREFETCH_ROWS * d) << (2 - kv_bf16);  /* bytes */
-        for (int c = 0; c < (d << (2 - kv_bf16)); c += 64) _mm_prefetch((const char *)K + ahead + c, _MM_HINT_T0);
+        const char *k = at(K, t), *ahead = at(K, t + PREFETCH_ROWS);
+        for (long c = 0; c < K->bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
         for (int g = 0; g < group; g++) {
             __m512 a = _mm512_setzero_ps();
             for (int c = 0; c < nd; c++)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + 16 * c), load16(K, k + 16 * c, kv_bf16, 16), a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + 16 * c), load16(k, 16 * c, kv_bf16, 16), a);
             p[g * cap + t] = _mm512_reduce_add_ps(a) + bias[t];
         }
     }
@@ -143,8 +161,9 @@ static void scores_softmax(const float *q, const void *K, int kv_bf16, const flo
         const float *qg = q + g * d;
         float *pg = p + g * cap, top = -INFINITY, sum = 0.0f;
         for (int t = 0; t < S; t++) {
+            const char *k = at(K, t);
             float s = 0.0f;
-            for (int j = 0; j < d; j++) s += qg[j] * kv_at(K, (long)t * d + j, kv_bf16);
+            for (int j = 0; j < d; j++) s += qg[j] * kv_at(k, j, kv_bf16);
             pg[t] = s + bias[t];
             top = pg[t] > top ? pg[t] : top;
         }
@@ -161,19 +180,20 @@ static void scores_softmax(const float *q, const void *K, int kv_bf16, const flo
 /* `ng` (≤ 4, a compile-time constant after inlining) query heads × 64 values of d from column c0: each value
  * row is loaded once for all of them, and the ng · 4 sums are independent chains */
 static inline __attribute__((always_inline)) void value_heads(const int ng, const float *p, const float *inv,
-                                                               const void *V, int kv_bf16, int d, int S, int cap,
+                                                               const segments *V, int kv_bf16, int d, int cap,
                                                                int c0, float *acc) {
     __m512 a[4][4];
 #pragma GCC unroll 4
     for (int g = 0; g < ng; g++)
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
-    for (int t = 0; t < S; t++) {
-        const long v = (long)t * d + 16 * c0;
-        _mm_prefetch((const char *)V + ((v + (long)PREFETCH_ROWS * d) << (2 - kv_bf16)), _MM_HINT_T0);
+    const long col = (long)(16 * c0) << (2 - kv_bf16); /* bytes */
+    for (int t = 0; t < V->n; t++) {
+        const char *v = at(V, t) + col;
+        _mm_prefetch(at(V, t + PREFETCH_ROWS) + col, _MM_HINT_T0);
         __m512 x[4];
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) x[c] = load16(V, v + 16 * c, kv_bf16, 16);
+        for (int c = 0; c < 4; c++) x[c] = load16(v, 16 * c, kv_bf16, 16);
 #pragma GCC unroll 4
         for (int g = 0; g < ng; g++) {
             const __m512 w = _mm512_set1_ps(p[(long)g * cap + t]);
@@ -191,8 +211,9 @@ static inline __attribute__((always_inline)) void value_heads(const int ng, cons
 #endif
 
 /* acc (group × d) ← Σ_t p[g, t] · V[t] · inv[g] */
-static void value_sum(const float *p, const float *inv, const void *V, int kv_bf16, int group, int d, int S, int cap,
+static void value_sum(const float *p, const float *inv, const segments *V, int kv_bf16, int group, int d, int cap,
                       float *acc) {
+    const int S = V->n;
 #if USE_AVX512
     const int nd = d / 16;
     if (nd % 4 == 0) { /* up to four query heads at a time, four vectors of d each */
@@ -201,27 +222,28 @@ static void value_sum(const float *p, const float *inv, const void *V, int kv_bf
                 const float *pg = p + (long)g0 * cap, *ig = inv + g0;
                 float *ag = acc + (long)g0 * d;
                 switch (group - g0 < 4 ? group - g0 : 4) {
-                    case 1: value_heads(1, pg, ig, V, kv_bf16, d, S, cap, c0, ag); break;
-                    case 2: value_heads(2, pg, ig, V, kv_bf16, d, S, cap, c0, ag); break;
-                    case 3: value_heads(3, pg, ig, V, kv_bf16, d, S, cap, c0, ag); break;
-                    default: value_heads(4, pg, ig, V, kv_bf16, d, S, cap, c0, ag); break;
+                    case 1: value_heads(1, pg, ig, V, kv_bf16, d, cap, c0, ag); break;
+                    case 2: value_heads(2, pg, ig, V, kv_bf16, d, cap, c0, ag); break;
+                    case 3: value_heads(3, pg, ig, V, kv_bf16, d, cap, c0, ag); break;
+                    default: value_heads(4, pg, ig, V, kv_bf16, d, cap, c0, ag); break;
                 }
             }
         return;
     }
     for (int c0 = 0; c0 < nd; c0 += 4) { /* four vectors of d at a time stay in registers */
         const int nc = nd - c0 < 4 ? nd - c0 : 4;
+        const long col = (long)(16 * c0) << (2 - kv_bf16); /* bytes */
         for (int g = 0; g < group; g++) {
             const float *pg = p + g * cap;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int t = 0; t < S; t++) {
-                const long v = (long)t * d + 16 * c0;
-                if (g == 0) _mm_prefetch((const char *)V + ((v + (long)PREFETCH_ROWS * d) << (2 - kv_bf16)), _MM_HINT_T0);
+                const char *v = at(V, t) + col;
+                if (g == 0) _mm_prefetch(at(V, t + PREFETCH_ROWS) + col, _MM_HINT_T0);
                 const __m512 w = _mm512_set1_ps(pg[t]);
-                a0 = _mm512_fmadd_ps(w, load16(V, v, kv_bf16, 16), a0);
-                if (nc > 1) a1 = _mm512_fmadd_ps(w, load16(V, v + 16, kv_bf16, 16), a1);
-                if (nc > 2) a2 = _mm512_fmadd_ps(w, load16(V, v + 32, kv_bf16, 16), a2);
-                if (nc > 3) a3 = _mm512_fmadd_ps(w, load16(V, v + 48, kv_bf16, 16), a3);
+                a0 = _mm512_fmadd_ps(w, load16(v, 0, kv_bf16, 16), a0);
+                if (nc > 1) a1 = _mm512_fmadd_ps(w, load16(v, 16, kv_bf16, 16), a1);
+                if (nc > 2) a2 = _mm512_fmadd_ps(w, load16(v, 32, kv_bf16, 16), a2);
+                if (nc > 3) a3 = _mm512_fmadd_ps(w, load16(v, 48, kv_bf16, 16), a3);
             }
             const __m512 s = _mm512_set1_ps(inv[g]);
             float *o = acc + g * d + 16 * c0;
@@ -237,7 +259,8 @@ static void value_sum(const float *p, const float *inv, const void *V, int kv_bf
         for (int j = 0; j < d; j++) ag[j] = 0.0f;
         for (int t = 0; t < S; t++) {
             const float w = p[g * cap + t];
-            for (int j = 0; j < d; j++) ag[j] += w * kv_at(V, (long)t * d + j, kv_bf16);
+            const char *v = at(V, t);
+            for (int j = 0; j < d; j++) ag[j] += w * kv_at(v, j, kv_bf16);
         }
         for (int j = 0; j < d; j++) ag[j] *= inv[g];
     }
@@ -257,24 +280,29 @@ int posttrain_vector_path(void) {
 /* Returns 0, or -1 when a size is outside what this kernel handles (the caller checks first). */
 int posttrain_decode_attention(int rows, int hq, int hkv, int d, int cap, int slot,
                                const void *qkv, int qkv_bf16, long qkv_stride, const float *rot,
-                               void *k_cache, void *v_cache, int kv_bf16, const int64_t *row_of, const float *bias,
+                               void *k_cache, void *v_cache, int kv_bf16, const int64_t *row_of,
+                               const void *prefix_k, const void *prefix_v, int plen, int share, const float *bias,
                                float scaling, void *out, int out_bf16, long out_stride, float *scratch,
                                int threads) {
-    if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 16 || slot < 0 || slot >= cap)
+    if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 16 || slot < 0 || slot >= cap
+        || plen < 0 || share < 1 || (plen > 0 && (prefix_k == NULL || prefix_v == NULL)))
         return -1;
-    const int group = hq / hkv, S = slot + 1;
-    const long per_thread = posttrain_scratch_floats(group, cap, d);
+    const int group = hq / hkv, width = plen + cap;   /* width: a row of bias and of the probabilities */
+    const long bytes = (long)d << (2 - kv_bf16);       /* one position of one head */
+    const long per_thread = posttrain_scratch_floats(group, width, d);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long item = 0; item < (long)rows * hkv; item++) {
         const int r = (int)(item / hkv), h = (int)(item % hkv);
         const long cr = row_of ? (long)row_of[r] : r;
         float *q = scratch + (long)omp_get_thread_num() * per_thread; /* group × d */
         float *acc = q + (long)group * d;                              /* group × d */
-        float *p = acc + (long)group * d;                              /* group × cap */
+        float *p = acc + (long)group * d;                              /* group × width */
         float inv[MAX_GROUP];
         const float *cs = rot + (long)r * d;
-        const long block = (cr * hkv + h) * cap * d;                 /* the (row, KV head)'s first element */
-        char *K = (char *)k_cache + (block << (2 - kv_bf16)), *V = (char *)v_cache + (block << (2 - kv_bf16));
+        char *K = (char *)k_cache + (cr * hkv + h) * cap * bytes, *V = (char *)v_cache + (cr * hkv + h) * cap * bytes;
+        const long shared = ((cr / share) * hkv + h) * plen * bytes;  /* the prefix row's (KV head)'s first byte */
+        const segments keys = {plen ? (const char *)prefix_k + shared : NULL, K, plen, plen + slot + 1, bytes};
+        const segments values = {plen ? (const char *)prefix_v + shared : NULL, V, plen, plen + slot + 1, bytes};
         float fresh[2 * MAX_HEAD_DIM];                               /* the new key (rotated) and value */
         for (int g = 0; g < group; g++)
             load_head(qkv, qkv_bf16, qkv_stride, r, (long)(h * group + g) * d, d, cs, scaling, 0, q + g * d);
@@ -289,8 +317,8 @@ int posttrain_decode_attention(int rows, int hq, int hkv, int d, int cap, int sl
                 ((float *)V)[(long)slot * d + j] = fresh[d + j];
             }
         }
-        scores_softmax(q, K, kv_bf16, bias + (long)r * cap, group, d, S, cap, p, inv);
-        value_sum(p, inv, V, kv_bf16, group, d, S, cap, acc);
+        scores_softmax(q, &keys, kv_bf16, bias + (long)r * width, group, d, width, p, inv);
+        value_sum(p, inv, &values, kv_bf16, group, d, width, acc);
         for (int g = 0; g < group; g++) {
             const long col = (long)(h * group + g) * d;
             if (out_bf16) {
