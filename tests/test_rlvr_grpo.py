@@ -16,7 +16,7 @@ from posttrain.models import kept_columns, load_model
 from posttrain.runtime.config import GRPOStage, Recipe
 from posttrain.runtime.context import RunContext
 from posttrain.rewards import WeightedVerifier
-from posttrain.rollout import SamplingParams, make_engine
+from posttrain.rollout import NativeEngine, SamplingParams, make_engine
 from posttrain.stages import grpo as grpo_mod
 from posttrain.stages._rlvr import (
     encode_problems,
@@ -269,7 +269,11 @@ def test_stage_with_shared_prompts_stays_on_policy(tmp_path, policy_dir, tokeniz
                     loss="dapo", kl_coef=0.05, share_prompt=True, data=[{"world": "arithmetic", "n": 50}],
                     optim={"lr": 1e-3, "warmup_steps": 0, "min_lr_ratio": 1.0})
     ctx, sink = make_ctx(tmp_path, policy_dir, tokenizer, world, cfg)
+    priced = []  # the generate phase's cost counts each prompt's 4 samples (one prefill, shared keys)
+    real_cost = NativeEngine.decode_cost
+    monkeypatch.setattr(NativeEngine, "decode_cost", lambda self, **kw: priced.append(kw) or real_cost(self, **kw))
     run_grpo(cfg, ctx)
+    assert len(priced) == 2 and all(kw["samples"] == 4 and kw["batch"] == 16 for kw in priced)
     recs = [r for r in sink.records if r["stage"] == "grpo"]
     assert len(recs) == 2
     assert recs[0]["clip/ratio_max"] == pytest.approx(1.0, abs=1e-3)

@@ -47,6 +47,15 @@ def test_cpu_backends_satisfy_the_protocol_and_cost_a_decode(engine_cls, tok, ti
     want = costs.decode(tiny.config, batch=2, prompt_len=5, new_tokens=3)
     got = e.decode_cost(batch=2, prompt_len=5, new_tokens=3)
     assert (got.flops, got.bytes) == (want.flops, want.bytes) and got.flops > 0
+    # 2 prompts × 3 samples: the native engine prefills each prompt once and, where its samples share the
+    # prompt's cache (the C attention), reads its keys once a step; `generate` prefills every copy
+    shared = engine_cls is NativeEngine and e.step.gathers_rows(torch.device("cpu"))
+    want = costs.decode(tiny.config, batch=6, prompt_len=5, new_tokens=3,
+                        **({"samples": 3, "shared_reads": shared} if engine_cls is NativeEngine else {}))
+    got = e.decode_cost(batch=6, prompt_len=5, new_tokens=3, samples=3)
+    assert (got.flops, got.bytes) == (want.flops, want.bytes)
+    alone = costs.decode(tiny.config, batch=6, prompt_len=5, new_tokens=3)
+    assert (got.bytes < alone.bytes) == (engine_cls is NativeEngine)
     r = e.generate([[5, 6, 7]], SamplingParams(n=1, max_new_tokens=2, temperature=0.0))
     assert r.completion_ids.shape == (1, r.completion_ids.shape[1])
 

@@ -124,9 +124,10 @@ def test_decode_closed_form_equals_loop():
         assert closed.flops == pytest.approx(naive.flops, rel=1e-12)
         assert closed.bytes == pytest.approx(naive.bytes, rel=1e-12)
     assert costs.decode(cfg, batch=2, prompt_len=5, new_tokens=0) == Cost()
-    for samples, prompt_len, new in [(2, 5, 2), (3, 17, 40)]:  # 2 prompts' samples: each prompt read once a step
-        closed = costs.decode(cfg, batch=2 * samples, prompt_len=prompt_len, new_tokens=new, samples=samples)
-        naive = costs._generate_naive(cfg, batch=2 * samples, prompt_len=prompt_len, new_tokens=new, samples=samples)
+    for samples, prompt_len, new, reads in [(2, 5, 2, True), (3, 17, 40, True), (3, 17, 40, False)]:  # 2 prompts' samples
+        kw = {"samples": samples, "shared_reads": reads}
+        closed = costs.decode(cfg, batch=2 * samples, prompt_len=prompt_len, new_tokens=new, **kw)
+        naive = costs._generate_naive(cfg, batch=2 * samples, prompt_len=prompt_len, new_tokens=new, **kw)
         assert closed.flops == pytest.approx(naive.flops, rel=1e-12)
         assert closed.bytes == pytest.approx(naive.bytes, rel=1e-12)
 
@@ -142,6 +143,9 @@ def test_samples_of_a_prompt_read_its_keys_once_and_prefill_it_once():
     six, two = (costs.prefill(cfg, batch=b, prompt_len=p, dtype="fp32") for b in (6, 2))
     assert alone.flops - shared.flops == pytest.approx(six.flops - two.flops, rel=1e-12)
     assert alone.bytes - shared.bytes == pytest.approx(six.bytes - two.bytes + (n - 1) * 4 * p * 512, rel=1e-12)
+    copies = costs.decode(cfg, batch=6, prompt_len=p, new_tokens=n, dtype="fp32", samples=3, shared_reads=False)
+    assert copies.flops == shared.flops                                # each prompt still prefilled once,
+    assert copies.bytes - shared.bytes == pytest.approx((n - 1) * 4 * p * 512, rel=1e-12)  # read by every sample
     with pytest.raises(ValueError, match="samples=4"):
         costs.decode(cfg, batch=6, prompt_len=p, new_tokens=n, samples=4)
 

@@ -366,7 +366,7 @@ class RayRolloutEngine:
                 timings.append(timing)
             for k, (part, timing) in enumerate(zip(parts, timings)):
                 cost = self.decode_cost(batch=len(part), prompt_len=part.prompt_ids.shape[1],
-                                        new_tokens=max(1, part.completion_ids.shape[1]))
+                                        new_tokens=max(1, part.completion_ids.shape[1]), samples=params.n)
                 self._record(k, "generate", timing, cost)
             return concat_rollouts(parts, [s.start for s in shares], self.pad_id)
 
@@ -397,8 +397,11 @@ class RayRolloutEngine:
         """Nothing is held in this process (colocated workers release their own after every rollout)."""
         return 0
 
-    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
-        return costs.decode(self._config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int, samples: int = 1) -> costs.Cost:
+        """The workers' engines prefill a prompt once for its samples (native and vLLM alike); whether they
+        read its keys once is theirs to know, so this counts a read per sample (`shared_reads=False`)."""
+        return costs.decode(self._config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, samples=samples,
+                            shared_reads=False)
 
     # ---- telemetry, metrics, shutdown ------------------------------------------------------------
     def attach(self, telemetry: Telemetry) -> None:

@@ -63,9 +63,11 @@ class RolloutEngine(Protocol):
         bytes freed (0: nothing to free). Stages call it after a rollout, before the update."""
         ...
 
-    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> Cost:
+    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int, samples: int = 1) -> Cost:
         """FLOPs and bytes of generating `new_tokens` for `batch` sequences of `prompt_len` (left-padded)
-        prompt tokens on this engine's model (`telemetry.costs.decode`)."""
+        prompt tokens on this engine's model (`telemetry.costs.decode`); `samples`: the sequences are
+        batch / samples prompts' samples (`SamplingParams.n`), counted as this engine runs them (each prompt
+        prefilled once or per sample, its keys read once or per sample)."""
         ...
 
 

@@ -43,8 +43,9 @@ class HFEngine:
         elif model_or_state_dict is not self.model:
             self.model.load_state_dict(model_or_state_dict.state_dict())
 
-    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
-        """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`)."""
+    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int, samples: int = 1) -> costs.Cost:
+        """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`). `samples` does
+        not change it: `generate` repeats each prompt `num_return_sequences` times before its prefill."""
         return costs.decode(self.model.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
     def release_memory(self) -> int:
         """Nothing to free: `generate` runs the training module itself and its cache dies with the call."""

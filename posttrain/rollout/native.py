@@ -176,9 +176,14 @@ class NativeEngine:
             self.step.weights.invalidate()
         self.prefix_cache.clear()  # kept keys/values were computed by the old weights
 
-    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
-        """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`)."""
-        return costs.decode(self.model.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int, samples: int = 1) -> costs.Cost:
+        """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`): each prompt
+        prefilled once (departure 1), its keys and values read once a step for its samples where they share
+        its cache (`share_prompts` with the C attention)."""
+        device = next(self.model.parameters()).device
+        shared = self.share_prompts and isinstance(self.step, FusedDecoder) and self.step.gathers_rows(device)
+        return costs.decode(self.model.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                            samples=samples, shared_reads=shared)
     def sync_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> int:
         """`update_weights`, then rebuild the fused copies (and the decode forms the last generate used)
         now instead of lazily inside the next `generate`, so the stage can time the move as its `sync`

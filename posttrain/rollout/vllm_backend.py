@@ -274,9 +274,12 @@ class VLLMEngine:
         self.update_weights(sd)
         return sum(t.nbytes for t in sd.values())
 
-    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int) -> costs.Cost:
-        """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`)."""
-        return costs.decode(self.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+    def decode_cost(self, *, batch: int, prompt_len: int, new_tokens: int, samples: int = 1) -> costs.Cost:
+        """FLOPs and bytes of one generation on this engine's model (`telemetry.costs.decode`): a prompt's n
+        samples share its prefill (their prompt blocks are one), and each reads those blocks in its own
+        attention (`shared_reads=False`)."""
+        return costs.decode(self.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, samples=samples,
+                            shared_reads=False)
 
     # ---- generation ------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str], params: SamplingParams) -> Rollout:

@@ -42,7 +42,6 @@ from posttrain.stages._constitution import (
     setup,
 )
 from posttrain.stages.rejection_sampling import write_jsonl
-from posttrain.telemetry import costs
 
 SEED_OFFSET = 3_000  # world problems distinct from GRPO's, rejection sampling's and SL-CAI's
 _SPACES = re.compile(r"\s+")
@@ -78,8 +77,8 @@ def run_constitutional_rl(cfg: ConstitutionalRLStage, ctx: RunContext) -> StageR
                                     max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed * 1_000_003 + 10_007 * cfg.draw + step)
             with ctx.phase("generate", stage=stage, step=step) as p:
                 ro = engine.generate(prompts[start:start + len(batch)], params)
-                p.cost = costs.decode(model.config, batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
-                                      new_tokens=max(1, ro.completion_ids.shape[1]))
+                p.cost = engine.decode_cost(batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
+                                            new_tokens=max(1, ro.completion_ids.shape[1]), samples=params.n)
             texts = [t.strip() for t in ro.texts]
             verdicts += [compliance(constitution, batch[k // cfg.samples], t) for k, t in enumerate(texts)]
             pairs: list[tuple[int, str, str, Principle]] = []  # (problem index in batch, first, second, principle)

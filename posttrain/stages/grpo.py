@@ -241,7 +241,7 @@ def collect_groups(ctx: RunContext, cfg: GRPOStage, engine: RolloutEngine, verif
         with ctx.phase("generate", stage=cfg.folder, step=step, worker=worker) as p:
             ro = engine.generate([prompts[i] for i in idx], params)
             p.cost = engine.decode_cost(batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
-                                        new_tokens=max(1, ro.completion_ids.shape[1]))
+                                        new_tokens=max(1, ro.completion_ids.shape[1]), samples=g)
         with ctx.phase("score", stage=cfg.folder, step=step, worker=worker,
                        cost=reward_model_cost(verifiers, len(ro), ro.sequence_ids.shape[1])):
             batch_problems = [problems[i] for i in idx]

@@ -311,8 +311,8 @@ def run_rejection_sampling(cfg: RejectionSamplingStage, ctx: RunContext) -> Stag
                                 seed=ctx.recipe.seed * 1_000_003 + 10_007 * cfg.draw + step)
         with ctx.phase("generate", stage=stage, step=step) as p:
             ro: Rollout = engine.generate([prompts[i] for i in idx], params)
-            p.cost = costs.decode(model.config, batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
-                                  new_tokens=max(1, ro.completion_ids.shape[1]))
+            p.cost = engine.decode_cost(batch=len(ro), prompt_len=ro.prompt_ids.shape[1],
+                                        new_tokens=max(1, ro.completion_ids.shape[1]), samples=params.n)
         rm_cost = None if scorer is None else costs.forward(
             scorer.model.config, batch=len(ro), seq_len=ro.sequence_ids.shape[1], logits="scalar")
         with ctx.phase("score", stage=stage, step=step, cost=rm_cost):  # the reward model's forward, the judge's requests

@@ -109,8 +109,10 @@ def normalize_and_agree(ctx: RunContext, cfg: RewardModelStage, model, step: int
     prompts = [encode_prompt(p.prompt, tok) for p in problems]
     params = SamplingParams(n=k, temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=ctx.recipe.seed)
     with ctx.phase("generate", stage=cfg.folder, step=step) as ph:
-        r = make_engine("native", policy, tok).generate(prompts, params)
-        ph.cost = costs.decode(policy.config, batch=len(r), prompt_len=r.prompt_ids.shape[1], new_tokens=r.completion_ids.shape[1])
+        engine = make_engine("native", policy, tok)
+        r = engine.generate(prompts, params)
+        ph.cost = engine.decode_cost(batch=len(r), prompt_len=r.prompt_ids.shape[1],
+                                     new_tokens=max(1, r.completion_ids.shape[1]), samples=params.n)
     model.eval()
     with ctx.phase("score", stage=cfg.folder, step=step,
                    cost=costs.forward(model.config, batch=len(r), seq_len=r.sequence_ids.shape[1], logits="scalar")):

@@ -297,16 +297,17 @@ def decode_step(config: Any, *, batch: int, context: int, dtype: torch.dtype | s
 
 
 def decode(config: Any, *, batch: int, prompt_len: int, new_tokens: int,
-           dtype: torch.dtype | str | None = None, samples: int = 1) -> Cost:
+           dtype: torch.dtype | str | None = None, samples: int = 1, shared_reads: bool = True) -> Cost:
     """Generating `new_tokens` per sequence: prefill + (new_tokens − 1) decode steps, summed exactly.
 
     Step j (1 ≤ j < N) attends to P + j keys. Every term of a step is affine in its context c,
     step(c) = step(0) + c·(step(1) − step(0)), so Σ_j step(P + j) = (N−1)·step(0) + C·Δ with
     C = Σ_{j=1}^{N−1} (P + j) = (N−1)·P + (N−1)·N/2.
 
-    `samples`: the B sequences are B / samples prompts' samples — each prompt prefilled once, and its keys
-    and values read once per decode step for all its samples (the least any engine moves; the native
-    engine's shared prompt cache, `rollout/cpu/fused.py` departure 12, does so).
+    `samples`: the B sequences are B / samples prompts' samples, prompt-major — each prompt prefilled once,
+    and (`shared_reads`) its keys and values read once per decode step for all its samples: the least any
+    engine moves, and what the native engine's shared prompt cache does (`rollout/cpu/fused.py` departure
+    12); `shared_reads=False` for an engine that reads a copy per sample.
     """
     _check(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
     _check_samples(batch, samples)
@@ -316,7 +317,7 @@ def decode(config: Any, *, batch: int, prompt_len: int, new_tokens: int,
     total = _forward(s, batch // samples, prompt_len, prompt_len, "last", kv_write=True).cost(nbytes)
     steps = new_tokens - 1
     if steps:
-        shared = prompt_len if samples > 1 else 0
+        shared = prompt_len if samples > 1 and shared_reads else 0
         f0 = _forward(s, batch, 1, 0, "all", kv_write=True, shared=shared, samples=samples).cost(nbytes)
         f1 = _forward(s, batch, 1, 1, "all", kv_write=True, shared=shared, samples=samples).cost(nbytes)
         context_sum = steps * prompt_len + steps * (steps + 1) / 2
@@ -325,14 +326,14 @@ def decode(config: Any, *, batch: int, prompt_len: int, new_tokens: int,
 
 
 def _generate_naive(config: Any, *, batch: int, prompt_len: int, new_tokens: int,
-                    dtype: torch.dtype | str | None = None, samples: int = 1) -> Cost:
+                    dtype: torch.dtype | str | None = None, samples: int = 1, shared_reads: bool = True) -> Cost:
     """The loop `decode` sums in closed form (kept to prove the closed form right)."""
     if new_tokens == 0:
         return Cost()
     total = prefill(config, batch=batch // samples, prompt_len=prompt_len, dtype=dtype)
     for j in range(1, new_tokens):
         total = total + decode_step(config, batch=batch, context=prompt_len + j, dtype=dtype,
-                                    shared=prompt_len if samples > 1 else 0, samples=samples)
+                                    shared=prompt_len if samples > 1 and shared_reads else 0, samples=samples)
     return total
 
 
