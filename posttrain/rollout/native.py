@@ -184,6 +184,7 @@ class NativeEngine:
         shared = self.share_prompts and isinstance(self.step, FusedDecoder) and self.step.gathers_rows(device)
         return costs.decode(self.model.config, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                             samples=samples, shared_reads=shared)
+
     def sync_weights(self, model_or_state_dict: nn.Module | dict[str, Tensor]) -> int:
         """`update_weights`, then rebuild the fused copies (and the decode forms the last generate used)
         now instead of lazily inside the next `generate`, so the stage can time the move as its `sync`
@@ -315,15 +316,13 @@ class NativeEngine:
         if not self.prefix_cache.fits(per):                                    # never copy what cannot be kept
             self.prefix_cache.refuse(key)
             return
-        if prefix is None:
-            slots = torch.cat([prompt_slots, own])                              # (C,)
-            keys = [k[row].index_select(1, slots) for k in cache.keys]        # (kv_heads, C, head_dim) each
-            values = [v[row].index_select(1, slots) for v in cache.values]
-        else:
-            keys = [torch.cat([p[prefix_row].index_select(1, prompt_slots), k[row].index_select(1, own)], 1)
-                    for p, k in zip(prefix.keys, cache.keys)]
-            values = [torch.cat([p[prefix_row].index_select(1, prompt_slots), v[row].index_select(1, own)], 1)
-                      for p, v in zip(prefix.values, cache.values)]
+        held, at = (cache, row) if prefix is None else (prefix, prefix_row)   # where the prompt's slots are
+
+        def rows_of(prompt_bufs: list[Tensor], own_bufs: list[Tensor]) -> list[Tensor]:  # (kv_heads, C, head_dim) each
+            return [torch.cat([p[at].index_select(1, prompt_slots), b[row].index_select(1, own)], 1)
+                    for p, b in zip(prompt_bufs, own_bufs)]
+
+        keys, values = rows_of(held.keys, cache.keys), rows_of(held.values, cache.values)
         self.prefix_cache.store(key, PrefixEntry(tuple(prompt) + tuple(completion), keys, values))
 
     def _decode(self, ids: list[list[int]], params: SamplingParams, device: torch.device,

@@ -24,7 +24,7 @@
  *   bias    (rows, plen + cap)  0 where the row may attend, -inf at its pads: the prefix's plen slots,
  *                               then the row's own; own slot `slot` must be 0
  *   out     (rows, out_stride)  the attention output, hq heads of d
- *   scratch (threads, scratch_floats(hq / hkv, cap, d))
+ *   scratch (threads, scratch_floats(hq / hkv, plen + cap, d))
  * The scores are scaled by `scaling` (the query is, before its products), the softmax subtracts each
  * row's max, and exp is a degree-6 polynomial after Cody–Waite reduction by ln 2 (relative error
  * ~2e-7), 0 below e^-87.3.
