@@ -186,7 +186,7 @@ def test_packed_gemm_equals_the_product(lib, rows, n, k, bias, accumulate, dtype
         assert torch.allclose(out.double(), ref, rtol=2 ** -8, atol=1e-3 * k ** 0.5)
 
 
-@pytest.mark.parametrize("n, k", [(48, 8), (33, 6), (5, 2)])
+@pytest.mark.parametrize("n, k", [(48, 8), (33, 6), (5, 2), (33, 70), (20, 64)])  # 70, 64: 16 pairs at a time, then the rest
 def test_bf16_packing_is_the_documented_layout(lib, n, k):
     """packed[((c / 16)·(k/2) + p)·32 + (c % 16)·2 + i] = W[c, 2p + i], zero columns padding n to whole blocks."""
     w = torch.randint(1, 2**15, (n, k), dtype=torch.int16).view(torch.bfloat16)  # every bit pattern nonzero
@@ -196,6 +196,17 @@ def test_bf16_packing_is_the_documented_layout(lib, n, k):
     padded = torch.cat([w, torch.zeros(blocks * 16 - n, k, dtype=w.dtype)])
     want = padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(-1)
     assert torch.equal(packed.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("n, k", [(48, 8), (33, 35), (20, 16)])  # 35, 16: 16 inputs at a time, then the rest
+def test_f32_packing_is_the_documented_layout(lib, n, k):
+    """packed[((c / 16)·k + i)·16 + c % 16] = W[c, i], zero columns padding n to whole blocks."""
+    w = torch.randint(1, 2**31 - 1, (n, k), dtype=torch.int32)                      # every bit pattern nonzero
+    packed = torch.full((lib.posttrain_packed_elements(n, k),), -1, dtype=torch.int32)
+    assert lib.posttrain_pack_f32(n, k, w.data_ptr(), packed.data_ptr(), 2) == 0
+    blocks = -(-n // 16)
+    padded = torch.cat([w, torch.zeros(blocks * 16 - n, k, dtype=w.dtype)])
+    assert torch.equal(packed, padded.view(blocks, 16, k).permute(0, 2, 1).reshape(-1))
 
 
 def test_the_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch):
@@ -229,13 +240,14 @@ def test_the_kernels_can_be_turned_off(monkeypatch):
 
 @pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("norm", [False, True])
-def test_fold_writes_the_bits_torch_mul_writes(lib, paired, norm):
+@pytest.mark.parametrize("cols", [37, 64])  # 37: a tail of 5 columns past two vectors of 16, rows unaligned; 64: whole
+def test_fold_writes_the_bits_torch_mul_writes(lib, paired, norm, cols):
     """The engine's bf16 weight copies: w (its rows in `pair_halves` order where paired) times the norm weight,
     rounded once — bit for bit `torch.mul(w, norm, out=<bf16>)` (or the bf16 cast) on the strided view."""
     from posttrain.rollout.cpu.fused import _pair_rows, _paired
 
     g = torch.Generator().manual_seed(3)
-    heads, d, cols = 3, 8, 37  # 37: a tail of 5 columns past two vectors of 16
+    heads, d = 3, 8
     w = torch.randn(heads * d, cols, generator=g) * torch.logspace(-30, 30, cols)  # tiny, huge, ties in between
     w[0, :4] = torch.tensor([0.0, -0.0, float("inf"), 1.0 + 2 ** -8])  # a tie that rounds to even
     n = torch.rand(cols, generator=g) + 0.5 if norm else None

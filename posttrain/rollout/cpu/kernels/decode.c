@@ -427,40 +427,100 @@ long posttrain_packed_elements(int n, int k) {
  * the fp32 weight at ~6 GB/s. */
 int posttrain_fold_bf16(int rows, int cols, const float *w, const int64_t *src_rows, const float *norm,
                         uint16_t *out, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < rows; r++) {
-        const float *src = w + (src_rows ? src_rows[r] : (int64_t)r) * (long)cols;
-        uint16_t *dst = out + (long)r * cols;
-        int c = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int r = 0; r < rows; r++) {
+            const float *src = w + (src_rows ? src_rows[r] : (int64_t)r) * (long)cols;
+            uint16_t *dst = out + (long)r * cols;
+            int c = 0;
 #if USE_AVX512
-        for (; c < cols; c += 16) {
-            const int n = cols - c < 16 ? cols - c : 16;
-            __m512 v = load16(src, c, 0, n);
-            if (norm) v = _mm512_mul_ps(v, load16(norm, c, 0, n));
-            store16(dst, c, 1, n, v);
-        }
+            if (((uintptr_t)dst & 31) == 0)  /* whole aligned halves of lines, streamed: no read of what they replace */
+                for (; c + 16 <= cols; c += 16) {
+                    __m512 v = _mm512_loadu_ps(src + c);
+                    if (norm) v = _mm512_mul_ps(v, _mm512_loadu_ps(norm + c));
+                    _mm256_stream_si256((__m256i *)(dst + c), _mm512_cvtepi32_epi16(round16_bf16(v)));
+                }
+            for (; c < cols; c += 16) {
+                const int n = cols - c < 16 ? cols - c : 16;
+                __m512 v = load16(src, c, 0, n);
+                if (norm) v = _mm512_mul_ps(v, load16(norm, c, 0, n));
+                store16(dst, c, 1, n, v);
+            }
 #endif
-        for (; c < cols; c++) dst[c] = f32_to_bf16(norm ? src[c] * norm[c] : src[c]);
+            for (; c < cols; c++) dst[c] = f32_to_bf16(norm ? src[c] * norm[c] : src[c]);
+        }
+#if USE_AVX512
+        _mm_sfence();  /* this thread's streamed stores land before the caller reads them */
+#endif
     }
     return 0;
+}
+
+/* A 32-bit word of a weight's storage: a bf16 pair or a float, read and written whole (may_alias: the storage
+ * is bf16 or float; aligned(2): a bf16 pair need not start on 4 bytes) */
+typedef uint32_t __attribute__((may_alias, aligned(2))) word32;
+
+#if USE_AVX512
+/* r[c] ← column c of the 16 × 16 matrix of 32-bit words whose row j is r[j] (in 128-bit lanes: 32-bit then
+ * 64-bit interleaves transpose each lane's 4 × 4 blocks, then two rounds of lane shuffles move the blocks) */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int j = 0; j < 16; j += 2) {
+        t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+        t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 16; j += 4) {  /* r[j + m], lane L: word 4L + m of rows j … j + 3 */
+        r[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+        r[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+        r[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+        r[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+    }
+    for (int m = 0; m < 4; m++) {  /* column 4L + m: lane L of r[m], r[4 + m], r[8 + m], r[12 + m] */
+        const __m512i y0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44), y1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xEE);
+        const __m512i y2 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44), y3 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xEE);
+        t[m] = _mm512_shuffle_i32x4(y0, y2, 0x88);
+        t[4 + m] = _mm512_shuffle_i32x4(y0, y2, 0xDD);
+        t[8 + m] = _mm512_shuffle_i32x4(y1, y3, 0x88);
+        t[12 + m] = _mm512_shuffle_i32x4(y1, y3, 0xDD);
+    }
+    for (int j = 0; j < 16; j++) r[j] = t[j];
+}
+
+/* Lines first … first + 15 of a packed block (16 words each: word j from row j, 0 where src[j] is NULL) from
+ * words first … first + 15 of the 16 rows `src` (32-bit words: a bf16 pair, or a float). */
+static inline void pack_lines16(const word32 *const src[16], long first, word32 *dst, int stream) {
+    __m512i r[16];
+    for (int j = 0; j < 16; j++) r[j] = src[j] ? _mm512_loadu_si512((const void *)(src[j] + first)) : _mm512_setzero_si512();
+    transpose16(r);
+    if (stream)  /* whole aligned lines past the caches: no read of the lines they replace */
+        for (int c = 0; c < 16; c++) _mm512_stream_si512((void *)(dst + (first + c) * 16), r[c]);
+    else
+        for (int c = 0; c < 16; c++) _mm512_storeu_si512((void *)(dst + (first + c) * 16), r[c]);
+}
+#endif
+
+/* Packed block b, lines 0 … words − 1: line i holds word i of rows 16b … 16b + 15 of w (rows of `words` 32-bit
+ * words: bf16 pairs or floats; rows past n read as 0). */
+static void pack_block(int n, long words, const word32 *w, int b, word32 *dst) {
+    const word32 *src[16];
+    for (int j = 0; j < 16; j++) src[j] = b * 16 + j < n ? w + (long)(b * 16 + j) * words : NULL;
+    long i = 0;
+#if USE_AVX512
+    const int stream = ((uintptr_t)dst & 63) == 0;
+    for (; i + 16 <= words; i += 16) pack_lines16(src, i, dst, stream);  /* 16 lines at a time: a register transpose */
+    if (stream) _mm_sfence();
+#endif
+    for (; i < words; i++)
+        for (int j = 0; j < 16; j++) dst[i * 16 + j] = src[j] ? src[j][i] : 0u;
 }
 
 int posttrain_pack_bf16(int n, int k, const uint16_t *w, uint16_t *packed, int threads) {
     if (k % 2) return -1;
     const int blocks = (n + 15) / 16, pairs = k / 2;
-    /* a pair of bf16 moves as one 32-bit word (memcpy: no aliasing or alignment assumption): each packed line
-     * of 16 pairs takes pair p of 16 rows of w; 1.3x the element-by-element loop */
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int b = 0; b < blocks; b++) {
-        uint16_t *dst = packed + (long)b * pairs * 32;
-        const uint16_t *src[16];
-        for (int j = 0; j < 16; j++)
-            src[j] = b * 16 + j < n ? w + (long)(b * 16 + j) * k : NULL;
-        const uint32_t zero = 0;
-        for (int p = 0; p < pairs; p++)
-            for (int j = 0; j < 16; j++)
-                memcpy(dst + (long)p * 32 + 2 * j, src[j] ? src[j] + 2 * p : (const uint16_t *)&zero, 4);
-    }
+    for (int b = 0; b < blocks; b++)
+        pack_block(n, pairs, (const word32 *)w, b, (word32 *)(packed + (long)b * pairs * 32));
     return 0;
 }
 
@@ -575,13 +635,8 @@ int posttrain_gemm_bf16(int rows, int n, int k, const uint16_t *x, long x_stride
 int posttrain_pack_f32(int n, int k, const float *w, float *packed, int threads) {
     const int blocks = (n + 15) / 16;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int b = 0; b < blocks; b++) {
-        float *dst = packed + (long)b * k * 16;
-        for (int j = 0; j < 16; j++) {
-            const int col = b * 16 + j;
-            for (int i = 0; i < k; i++) dst[(long)i * 16 + j] = col < n ? w[(long)col * k + i] : 0.0f;
-        }
-    }
+    for (int b = 0; b < blocks; b++)
+        pack_block(n, k, (const word32 *)w, b, (word32 *)(packed + (long)b * k * 16));
     return 0;
 }
 
