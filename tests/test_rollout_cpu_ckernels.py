@@ -186,6 +186,48 @@ def test_packed_gemm_equals_the_product(lib, rows, n, k, bias, accumulate, dtype
         assert torch.allclose(out.double(), ref, rtol=2 ** -8, atol=1e-3 * k ** 0.5)
 
 
+@pytest.mark.parametrize("rows, n, k, bias, accumulate", [
+    (1, 40, 48, False, False),     # one tile step and 8 pairs on the dot products; one partial column group
+    (16, 2816, 512, True, False),  # tiny-30m's gate/up at the GRPO benchmark's 16 rows: whole tiles
+    (13, 300, 96, True, True),     # 19 blocks: 4 groups of 4, then 3 blocks one at a time
+    (17, 100, 70, False, True),    # 16 rows then 1 (the tiles configured again); 35 pairs: 2 tile steps + 3
+    (40, 64, 1408, True, True),    # 16 + 16 + 8 rows; k 1,408: 44 tile steps
+    (3, 33, 2, False, False),      # one pair: no tile step at all
+])
+def test_amx_gemm_equals_the_product(rows, n, k, bias, accumulate):
+    """The bf16 matmul on AMX tiles (the `amx` form) on `c`'s packed layout: y (+)= x·Wᵀ + b, and `c`'s
+    result to within a rounding of either (both sum exact products in fp32, in different orders)."""
+    lib = ckernels.amx_library()
+    if lib is None:
+        pytest.skip("no AMX tiles on this CPU (or not granted by the kernel)")
+    g = torch.Generator().manual_seed(rows + n)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    start = torch.randn(rows, n, generator=g).bfloat16()
+    packed = torch.empty(lib.posttrain_packed_elements(n, k), dtype=torch.bfloat16)
+    assert lib.posttrain_pack_bf16(n, k, w.data_ptr(), packed.data_ptr(), 2) == 0
+    outs = {}
+    for name in ("gemm_bf16_amx", "gemm_bf16"):
+        outs[name] = start.clone()
+        assert getattr(lib, f"posttrain_{name}")(rows, n, k, x.data_ptr(), k, packed.data_ptr(),
+                                                  None if b is None else b.data_ptr(), outs[name].data_ptr(), n,
+                                                  int(accumulate), 2) == 0
+    ref = x.double() @ w.double().T + (0 if b is None else b.double()) + (start.double() if accumulate else 0)
+    got = outs["gemm_bf16_amx"].double()
+    assert torch.allclose(got, ref, rtol=2 ** -8, atol=1e-3 * k ** 0.5)
+    assert torch.allclose(got, outs["gemm_bf16"].double(), rtol=2 ** -7, atol=2e-3 * k ** 0.5)
+
+
+def test_amx_gemm_refuses_where_it_cannot_run():
+    """The plain-C build has no AMX path: it says so, and its matmul returns -1 without writing."""
+    lib = ckernels.decode_library(generic=True)
+    assert lib.posttrain_amx_path() == 0
+    x, out = torch.ones(2, 32, dtype=torch.bfloat16), torch.zeros(2, 16, dtype=torch.bfloat16)
+    packed = torch.ones(lib.posttrain_packed_elements(16, 32), dtype=torch.bfloat16)
+    assert lib.posttrain_gemm_bf16_amx(2, 16, 32, x.data_ptr(), 32, packed.data_ptr(), None, out.data_ptr(), 16, 0, 1) == -1
+    assert not out.any()
+
+
 @pytest.mark.parametrize("n, k", [(48, 8), (33, 6), (5, 2), (33, 70), (20, 64)])  # 70, 64: 16 pairs at a time, then the rest
 def test_bf16_packing_is_the_documented_layout(lib, n, k):
     """packed[((c / 16)·(k/2) + p)·32 + (c % 16)·2 + i] = W[c, 2p + i], zero columns padding n to whole blocks."""

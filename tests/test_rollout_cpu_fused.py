@@ -29,12 +29,13 @@ def test_pair_halves_puts_each_rotary_pair_side_by_side():
 @pytest.mark.parametrize("kind, dtype", [("mm", torch.float32), ("mm", torch.bfloat16), ("mkl", torch.float32),
                                          ("dnn", torch.float32), ("dnn", torch.bfloat16),
                                          ("mv", torch.float32), ("mv", torch.bfloat16), ("c", torch.float32),
-                                         ("c", torch.bfloat16)])
+                                         ("c", torch.bfloat16), ("amx", torch.bfloat16)])
 def test_every_projection_kind_computes_the_linear_product(kind, dtype):
     rows = 1 if kind == "mv" else 5
     if not FORMS[kind].available(dtype, rows):
         pytest.skip(f"this CPU cannot run the {kind} form on {dtype} weights (the c form's C loops: "
-                    "tests/test_rollout_cpu_ckernels.py; oneDNN's bf16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
+                    "tests/test_rollout_cpu_ckernels.py; oneDNN's bf16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; "
+                    "amx needs AMX tiles)")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 48, generator=g).to(dtype)                    # (out, in), HF's layout
     b = torch.randn(40, generator=g).to(dtype)
@@ -52,7 +53,7 @@ def test_every_projection_kind_computes_the_linear_product(kind, dtype):
     h = torch.ones(rows, 40, dtype=dtype)
     p.add_to(x, h)                                                     # h = 1 + x·Wᵀ + b
     assert (h.double() - (ref + 1)).abs().max() <= 2 * tol
-    if kind == "c":                                                    # a C kernel trusts sizes: checked first
+    if kind in ("c", "amx"):                                           # a C kernel trusts sizes: checked first
         with pytest.raises(ValueError, match="for a 40 × 48 weight"):
             p.into(x[:, :40], out)
 
@@ -91,6 +92,8 @@ def test_projection_kind_picks_packing_only_for_large_cpu_weights():
     ("llama", "tiny-4m", torch.bfloat16, "c", 3),     # our bf16 GEMM (AVX512-BF16), GQA
     ("llama", "tiny-1m", torch.float32, "c", 64),     # our fp32 GEMM (AVX-512), 8 blocks of 8 rows
     ("qwen2", "tiny-1m", torch.bfloat16, "c", 130),   # its biases; 130 rows: 16 blocks of 8 and a partial one
+    ("llama", "tiny-4m", torch.bfloat16, "amx", 3),   # our bf16 GEMM on AMX tiles, GQA
+    ("qwen2", "tiny-1m", torch.bfloat16, "amx", 130), # its biases; 130 rows: 8 tiles of 16 and one of 2
 ])
 def test_decode_plan_equals_the_many_token_forward(tok, arch, preset, dtype, kind, rows, decode_ops):
     """Prefill 5 tokens, then one token by the plan vs the same token by `FusedDecoder.__call__` (q = 1),

@@ -110,7 +110,7 @@ class NativeEngine:
         one row finishes, 0.0 = never).
     matmul: form of the fused path's decode matmuls: "auto" (`tuning.tuned_kind`: on a CPU, the form
         measured fastest on this machine — once per machine, then cached; else
-        `projections.projection_kind`), or one of "mm", "mkl", "dnn", "mv", "c".
+        `projections.projection_kind`), or one of "mm", "mkl", "dnn", "mv", "c", "amx".
     compute: the dtype the fused path multiplies in: "auto" (`projections.compute_dtype`: fp32 for small
         bf16/fp16 weights on a CPU, holding their rounded values exactly; else the weight dtype) or a dtype.
     decode_ops: the fused decode step's work between its matmuls (norms, RoPE, attention, SwiGLU):
@@ -119,7 +119,7 @@ class NativeEngine:
         loops, for tests) or "torch".
     Memory: the fused path keeps its own copy of the weights (fused, norm-folded; fp32 weights with nothing
     to fold are shared with the model), the decode form of each (a transposed copy for "mm", a packed
-    one for "mkl"/"dnn"/"c"; "mv" uses the copy itself) and a KV cache in fp32, or in bf16 where the step
+    one for "mkl"/"dnn"/"c"/"amx"; "mv" uses the copy itself) and a KV cache in fp32, or in bf16 where the step
     computes in bf16 and the C attention reads it (`FusedDecoder.cache_dtype`, set by `prepare`).
     prefix_cache_bytes: the most bytes of keys/values kept between calls for callers that ask
         (`generate(keep=)`, departure 7; 0 = keep nothing). A kept row of C tokens costs

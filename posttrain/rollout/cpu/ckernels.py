@@ -8,7 +8,8 @@ each (row, KV head) as its own tiny product. `kernels/decode.c` does those six i
 header gives the layouts), an RMSNorm in one call instead of three to five, and SwiGLU's
 silu(gate)·up in one instead of two, reading and writing bf16 directly where the weights are bf16
 (no fp32 copies). It also holds matmuls over weights packed in blocks of 16 columns — bf16 on
-AVX512-BF16 dot products, fp32 on AVX-512 FMAs (`projections.CGemm`, form `c`) — which the tuner
+AVX512-BF16 dot products, fp32 on AVX-512 FMAs (`projections.CGemm`, form `c`), and bf16 on AMX tiles
+over the same packing (`projections.AMXGemm`, form `amx`, where the CPU has them) — which the tuner
 measures beside MKL's and oneDNN's. On the 2-core AMD EPYC, 64 rows × tiny-30m's heads at 50 positions and 10 layers'
 caches, one layer's attention takes ~0.4–0.5 ms against ~0.8–0.9 ms for the six ops
 (benchmarks/README.md has the measurements).
@@ -30,7 +31,7 @@ import torch
 from posttrain import native
 from posttrain.native import ENV_DISABLE, BuildError
 
-__all__ = ["ENV_DISABLE", "BuildError", "build", "decode_library", "gemm_library", "supports"]
+__all__ = ["ENV_DISABLE", "BuildError", "amx_library", "build", "decode_library", "gemm_library", "supports"]
 MAX_HEAD_DIM, MAX_GROUP = 512, 64  # the C source's limits
 _loaded: dict[bool, ctypes.CDLL | None] = {}
 
@@ -59,6 +60,8 @@ SIGNATURES = {  # name: (result, arguments), as in kernels/decode.c
     "posttrain_pack_bf16": (_I, (_I, _I, _P, _P, _I)),
     "posttrain_pack_f32": (_I, (_I, _I, _P, _P, _I)),
     "posttrain_gemm_bf16": (_I, _GEMM),
+    "posttrain_amx_path": (_I, ()),
+    "posttrain_gemm_bf16_amx": (_I, _GEMM),
     "posttrain_gemm_f32": (_I, _GEMM),
 }
 
@@ -80,6 +83,13 @@ def gemm_library(dtype: torch.dtype) -> ctypes.CDLL | None:
         return None
     fast = lib.posttrain_bf16_dot_path() if dtype == torch.bfloat16 else lib.posttrain_vector_path()
     return lib if fast else None
+
+
+def amx_library() -> ctypes.CDLL | None:
+    """The library, where its bf16 matmul on AMX tiles runs (the `amx` projection form): built with AMX and on a
+    CPU whose tile state Linux grants this process; else None."""
+    lib = gemm_library(torch.bfloat16)
+    return lib if lib is not None and lib.posttrain_amx_path() else None
 
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:

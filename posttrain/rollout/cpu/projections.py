@@ -1,7 +1,7 @@
 """The decode step's matmul forms: one weight times a few rows of activations, in the fastest of several
 kernels for the CPU, dtype and row count (`fused.py`'s departure 2, docs/rollout.md "Matmul forms").
 
-Each form is one small class (`MatmulForm`: `MM`, `MKLPacked`, `DNNPacked`, `MV`, `CGemm`) holding one
+Each form is one small class (`MatmulForm`: `MM`, `MKLPacked`, `DNNPacked`, `MV`, `CGemm`, `AMXGemm`) holding one
 (out, in) weight; `FORMS` names them, `make_projection` builds one. `projection_kind` is the static choice
 (measured on an Intel Xeon), `tuning.tuned_kind` the one measured on the machine that runs; `compute_dtype`
 picks the arithmetic dtype for small bf16/fp16 weights on a CPU (`fused.py`'s departure 10).
@@ -283,7 +283,26 @@ class CGemm(MatmulForm):
         self._c(x, h, True)
 
 
-FORMS: dict[str, type[MatmulForm]] = {f.kind: f for f in (MM, MKLPacked, DNNPacked, MV, CGemm)}  # the tuner's order
+class AMXGemm(CGemm):
+    """Our bf16 matmul on AMX tiles (Intel Xeon, Sapphire Rapids and later): `CGemm`'s packed layout, whose
+    pair lines are AMX weight-tile rows, multiplied 16 rows × 16 pairs × 16 columns an instruction
+    (`kernels/decode.c`, `posttrain_gemm_bf16_amx`); bias and residual fused, one rounding, as `c`."""
+
+    kind = "amx"
+
+    def __init__(self, w: Tensor, b: Tensor | None, rows: int):
+        if not self.available(w.dtype, rows):
+            raise ValueError(f"Projection: kind='amx' needs bf16 weights and a CPU with AMX tiles that Linux lets "
+                             f"this process use (ckernels.amx_library); got {w.dtype}")
+        super().__init__(w, b, rows)
+        self._gemm = self._lib.posttrain_gemm_bf16_amx
+
+    @classmethod
+    def available(cls, dtype: torch.dtype, rows: int) -> bool:
+        return dtype == torch.bfloat16 and ckernels.amx_library() is not None
+
+
+FORMS: dict[str, type[MatmulForm]] = {f.kind: f for f in (MM, MKLPacked, DNNPacked, MV, CGemm, AMXGemm)}  # the tuner's order
 PROJECTION_KINDS = tuple(FORMS)
 
 

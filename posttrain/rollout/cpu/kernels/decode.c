@@ -557,6 +557,21 @@ static inline __attribute__((always_inline)) void gemm_block(const int R, const 
     }
 }
 
+/* Rows 0 … R − 1 of column block `b` of the output: out[m] (+)= acc[m] + bias, rounded to bf16 once (the
+ * columns past n are not written). Shared by both bf16 matmuls. */
+static inline void store_block(const int R, const __m512 *acc, int n, int b, const uint16_t *bias, uint16_t *out,
+                               long out_stride, int accumulate) {
+    const int c = n - b * 16 < 16 ? n - b * 16 : 16;
+    const __mmask16 live = (__mmask16)(c == 16 ? 0xffffu : (1u << c) - 1u);
+    const __m512 bv = bias ? load16(bias, (long)b * 16, 1, c) : _mm512_setzero_ps();
+    for (int m = 0; m < R; m++) {
+        uint16_t *o = out + (long)m * out_stride + (long)b * 16;
+        __m512 y = _mm512_add_ps(acc[m], bv);
+        if (accumulate) y = _mm512_add_ps(y, load16(o, 0, 1, c));
+        _mm256_mask_storeu_epi16(o, live, (__m256i)_mm512_cvtneps_pbh(y));
+    }
+}
+
 static void gemm_rows(int R, int nb, int pairs, const uint16_t *x, long x_stride, const uint16_t *wb, long w_step,
                       int ahead, const uint16_t *next, __m512 *acc) {
 #define CASE(r)                                                                                \
@@ -593,17 +608,8 @@ int posttrain_gemm_bf16(int rows, int n, int k, const uint16_t *x, long x_stride
             __m512 acc[16];
             gemm_rows(R, nb, pairs, x + (long)r0 * x_stride, x_stride, wb, w_step, r0 == 0,
                       (r0 == 8 || rows <= 8) ? next : NULL, acc);
-            for (int q = 0; q < nb; q++) {
-                const int c = n - (b + q) * 16 < 16 ? n - (b + q) * 16 : 16;
-                const __mmask16 live = (__mmask16)(c == 16 ? 0xffffu : (1u << c) - 1u);
-                const __m512 bv = bias ? load16(bias, (long)(b + q) * 16, 1, c) : _mm512_setzero_ps();
-                for (int m = 0; m < R; m++) {
-                    uint16_t *o = out + (long)(r0 + m) * out_stride + (long)(b + q) * 16;
-                    __m512 y = _mm512_add_ps(acc[q * R + m], bv);
-                    if (accumulate) y = _mm512_add_ps(y, load16(o, 0, 1, c));
-                    _mm256_mask_storeu_epi16(o, live, (__m256i)_mm512_cvtneps_pbh(y));
-                }
-            }
+            for (int q = 0; q < nb; q++)
+                store_block(R, acc + q * R, n, b + q, bias, out + (long)r0 * out_stride, out_stride, accumulate);
         }
     }
 #else
@@ -626,6 +632,136 @@ int posttrain_gemm_bf16(int rows, int n, int k, const uint16_t *x, long x_stride
     }
 #endif
     return 0;
+}
+
+/* ---- the same bf16 matmul on AMX tiles (Intel Xeon, Sapphire Rapids and later): form `amx` ----------------
+ * A packed block's pair lines (16 columns × one bf16 pair, 64 bytes) are the rows of an AMX B tile, so the
+ * layout above serves both kernels. Each thread takes groups of 4 column blocks; per group and per 16 rows,
+ * tiles 0–3 accumulate the 4 blocks' (≤ 16 rows × 16 columns) fp32 sums, tile 4 holds ≤ 16 rows × 32 k of x,
+ * tiles 5–7 the blocks' next 16 pairs (one `tdpbf16ps` multiplies 16 pairs deep). A k not a multiple of 32
+ * ends with its last < 16 pairs on the AVX512-BF16 dot products. Weights are read once per 16 rows. Sums are
+ * fp32 in another order than the AVX-512 kernel's; the epilogue (bias, residual, one rounding) is the same.
+ * `posttrain_amx_path` asks Linux for the tile state once per process (`arch_prctl`, which fails where the CPU
+ * has no AMX): 0 where it refuses or the build has no AMX, and the matmul then returns -1. */
+#if USE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define USE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define USE_AMX 0
+#endif
+
+int posttrain_amx_path(void) {
+#if USE_AMX
+    static int ready = -1;  /* a race here only asks twice: the permission is the process's */
+    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return ready;
+#else
+    return 0;
+#endif
+}
+
+#if USE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config;
+
+/* Tiles for M rows: 0–3 sums (M × 16 fp32), 4 x (M × 32 bf16), 5–7 weights (16 pair lines). Loading a
+ * configuration zeroes every tile. */
+static void amx_configure(int M) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = t < 5 ? (uint8_t)M : 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* sums[q][m] += the last `rest` pairs (from pair `first`) of row m of x times block q, on AVX512-BF16 */
+static void amx_rest(int nb, int M, int first, int rest, const uint16_t *x, long x_stride, const uint16_t *wb,
+                     long w_step, float sums[4][16][16]) {
+    for (int q = 0; q < nb; q++)
+        for (int m = 0; m < M; m++) {
+            __m512 acc = _mm512_load_ps(sums[q][m]);
+            for (int p = first; p < first + rest; p++) {
+                int32_t pair;
+                memcpy(&pair, x + m * x_stride + 2 * p, sizeof pair);
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair),
+                                       (__m512bh)_mm512_loadu_si512((const void *)(wb + q * w_step + (long)p * 32)));
+            }
+            _mm512_store_ps(sums[q][m], acc);
+        }
+}
+#endif
+
+int posttrain_gemm_bf16_amx(int rows, int n, int k, const uint16_t *x, long x_stride, const uint16_t *packed,
+                            const uint16_t *bias, uint16_t *out, long out_stride, int accumulate, int threads) {
+#if USE_AMX
+    if (k % 2 || !posttrain_amx_path()) return -1;
+    const int blocks = (n + 15) / 16, pairs = k / 2, steps = pairs / 16, groups = (blocks + 3) / 4;
+    const long w_step = (long)pairs * 32, xb = x_stride * 2;  /* a block's elements; x's row stride in bytes */
+#pragma omp parallel num_threads(threads)
+    {
+        float sums[4][16][16] __attribute__((aligned(64)));
+        int configured = 0;
+#pragma omp for schedule(static)
+        for (int gi = 0; gi < groups; gi++) {
+            const int b0 = 4 * gi, nb = blocks - b0 < 4 ? blocks - b0 : 4;
+            const uint16_t *wb = packed + (long)b0 * w_step;
+            for (int r0 = 0; r0 < rows; r0 += 16) {
+                const int M = rows - r0 < 16 ? rows - r0 : 16;
+                const uint16_t *xr = x + (long)r0 * x_stride;
+                if (M != configured) {
+                    amx_configure(M);
+                    configured = M;
+                }
+                if (nb == 4) {
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    for (int s = 0; s < steps; s++) {
+                        const uint16_t *w = wb + (long)s * 512;  /* 16 pair lines of 32 */
+                        _tile_loadd(4, xr + 32 * s, xb);
+                        _tile_loadd(5, w, 64);
+                        _tile_dpbf16ps(0, 4, 5);
+                        _tile_loadd(6, w + w_step, 64);
+                        _tile_dpbf16ps(1, 4, 6);
+                        _tile_loadd(7, w + 2 * w_step, 64);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_loadd(5, w + 3 * w_step, 64);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                    _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);
+                    _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64);
+                } else {
+                    for (int q = 0; q < nb; q++) {
+                        _tile_zero(0);
+                        for (int s = 0; s < steps; s++) {
+                            _tile_loadd(4, xr + 32 * s, xb);
+                            _tile_loadd(5, wb + q * w_step + (long)s * 512, 64);
+                            _tile_dpbf16ps(0, 4, 5);
+                        }
+                        _tile_stored(0, sums[q], 64);
+                    }
+                }
+                if (pairs % 16) amx_rest(nb, M, 16 * steps, pairs % 16, xr, x_stride, wb, w_step, sums);
+                for (int q = 0; q < nb; q++) {
+                    __m512 acc[16];
+                    for (int m = 0; m < M; m++) acc[m] = _mm512_load_ps(sums[q][m]);
+                    store_block(M, acc, n, b0 + q, bias, out + (long)r0 * out_stride, out_stride, accumulate);
+                }
+            }
+        }
+        if (configured) _tile_release();
+    }
+    return 0;
+#else
+    (void)rows; (void)n; (void)k; (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)out_stride;
+    (void)accumulate; (void)threads;
+    return -1;
+#endif
 }
 
 /* ---- fp32 matmul, the same scheme: y = x·Wᵀ (+ b) (+ y) -------------------------------------------------
