@@ -10,7 +10,7 @@ from posttrain.models import prefix_attention
 from posttrain.models.prefix_attention import NAME, shared_prefix
 from posttrain.rollout.text import positions_from_mask
 from posttrain.models.prefix_attention import Segments
-from posttrain.stages._packing import pack_groups, packed_width, shared_prompt_logprobs
+from posttrain.stages._packing import TOKEN_BUCKET, pack_groups, packed_width, shared_prompt_logprobs, token_bucket
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PAD = 0
@@ -54,6 +54,52 @@ def test_layout_packs_each_prompt_once_and_each_completion_at_its_length():
     assert lay.keep.tolist() == [1, 4, 2, 3, 5]
     assert lay.first.tolist() == [0, 0, 1]
     assert lay.seq.tolist() == [0, 0, 0, 1, 2, 2] and lay.pos.tolist() == [0, 1, 2, 0, 0, 1]
+
+
+def test_layout_pads_to_a_bucket_with_a_group_nothing_reads():
+    """`bucket`: a last group of padding (the last token again, positions from 0, no completions) fills the row to
+    a multiple; `keep` repeats its last column to one; the prompts and the kept count are said apart."""
+    ids, mask, pos, p = padded_batch([[5, 6], [5, 6], [7]], [[1, 2, 3], [4], [8, 9]])
+    lay = pack_groups(ids, mask, pos, p, bucket=4)
+    assert lay.input_ids.tolist() == [[5, 6, 1, 2, 7, 8, 8, 8]]
+    assert lay.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 0, 1]]
+    assert lay.segments == Segments(prefixes=((0, 2), (4, 1), (6, 2)), slots=(((2, 2),), ((5, 1),), ()))
+    assert lay.keep.tolist() == [1, 4, 2, 3, 5, 5, 5, 5]
+    assert (lay.groups, lay.kept) == (2, 5)
+    assert pack_groups(ids, mask, pos, p, bucket=3).input_ids.shape[1] == 6  # already a multiple: no group added
+    assert len(pack_groups(ids, mask, pos, p, bucket=3).segments.prefixes) == 2
+
+
+def test_the_bucket_is_for_bf16_matmuls_on_a_cpu():
+    """oneDNN builds a kernel per shape for a CPU's bf16 matmuls; MKL's fp32 ones build nothing."""
+    cpu = torch.device("cpu")
+    assert token_bucket(cpu) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert token_bucket(cpu) == TOKEN_BUCKET
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert token_bucket(cpu) == 1
+
+
+def test_padding_to_a_bucket_changes_no_log_prob_and_no_gradient(tokenizer):
+    """The padding group is attended by nothing and its logits are dropped: log-probs, entropies and every
+    gradient as without it (fp32: the matmuls' other row counts may round differently, ~1e-6)."""
+    model = build_tiny("tiny-4m", vocab_size=len(tokenizer), seed=1, max_seq_len=64, pad_token_id=PAD,
+                       eos_token_id=tokenizer.eos_token_id)
+    ids, mask, pos, p = case(len(tokenizer))
+
+    def run(bucket: int):
+        model.zero_grad(set_to_none=True)
+        logps, ent = shared_prompt_logprobs(model, ids, mask, pos, p, entropy=True, bucket=bucket)
+        logps.sum().backward()
+        return logps.detach(), ent, {n: q.grad.clone() for n, q in model.named_parameters()}
+
+    plain, ent_plain, g_plain = run(1)
+    padded, ent_padded, g_padded = run(TOKEN_BUCKET)
+    assert packed_width(ids, mask, p) % TOKEN_BUCKET  # the case does pad
+    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_padded, ent_plain, atol=1e-5, rtol=0)
+    for n, g in g_plain.items():
+        torch.testing.assert_close(g_padded[n], g, atol=1e-5, rtol=1e-4, msg=n)
 
 
 def test_layout_rejects_completions_that_are_not_right_padded():

@@ -46,6 +46,29 @@ def test_grad_accumulation_8x1_equals_1x8(tokenizer, world):
     assert not torch.allclose(naive, whole["model.embed_tokens.weight"], rtol=1e-3, atol=0)
 
 
+def test_a_bf16_batch_padded_to_the_bucket_has_the_unpadded_loss(tokenizer, world, monkeypatch):
+    """Under bf16 autocast on a CPU the batch's length is padded to a multiple of `SFT_BUCKET` (oneDNN builds a
+    kernel per shape): pad columns carry no label and are masked from attention, so the loss and its token
+    count are those of the unpadded batch, to bf16 round-off (the matmuls' other row counts)."""
+    import posttrain.stages.sft as sft
+
+    model = build_tiny("tiny-1m", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    rows = world.sft_split(4)
+    enc = [encode_sft(parse_record({"messages": r}, "sft"), tokenizer, 128) for r in rows]
+    longest = max(len(e.input_ids) for e in enc)
+    assert longest % sft.SFT_BUCKET  # the case does pad
+    seen = []
+    real = sft.collate_sft
+    monkeypatch.setattr(sft, "collate_sft", lambda *a, **k: seen.append(k.get("pad_to")) or real(*a, **k))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        padded, n_padded = sft_batch_loss(model, enc, tokenizer.pad_token_id, 100)
+        monkeypatch.setattr(sft, "SFT_BUCKET", 1)
+        plain, n_plain = sft_batch_loss(model, enc, tokenizer.pad_token_id, 100)
+    assert seen == [-(-longest // 8) * 8, longest]
+    assert n_padded == n_plain
+    torch.testing.assert_close(padded, plain, atol=2e-2, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "r"

@@ -91,10 +91,12 @@ def sequence_logps(model, seqs: list[EncodedCompletion], pad_id: int, *, length_
     """`sequence_logps_padded` with the sequences packed into rows. Shape: (B,).
 
     A row's padding tail gets positions 0, 1, … (a sequence of its own, attended by no real token);
-    every sequence starts with prompt tokens (label -100), so nothing is predicted across a boundary."""
+    every sequence starts with prompt tokens (label -100), so nothing is predicted across a boundary.
+    The rows' width is a multiple of `token_bucket`."""
     lengths = [len(s.input_ids) for s in seqs]
     rows = first_fit(lengths, max(row_len, max(lengths)))
-    width = max(sum(lengths[i] for i in row) for row in rows)
+    bucket = token_bucket(next(model.parameters()).device)
+    width = -(-max(sum(lengths[i] for i in row) for row in rows) // bucket) * bucket
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     segment = torch.full((len(rows), width), -1, dtype=torch.long)
@@ -150,10 +152,32 @@ def pair_logps(model, pairs: list[tuple[EncodedCompletion, EncodedCompletion]], 
 
 
 # ---- GRPO groups: one prompt, G completions -----------------------------------------------------------
+TOKEN_BUCKET = 32
+"""Where the training matmuls are bf16 on a CPU (`token_bucket`), `shared_prompt_logprobs` pads its packed
+row's columns, and the columns whose logits it reads, up to a multiple of this, and `sft_batch_loss` its
+batch's length up to a multiple of `SFT_BUCKET`. A CPU's bf16 matmuls run on oneDNN, which builds
+(JIT-compiles) a kernel for each new shape and keeps ~1,024: a packed row's length changes every step, so
+unpadded every step's ~30 distinct linear-layer shapes were new, and on the AMX Xeon building them took
+~1.8 ms each (a [M, 512] × [512, 1,408] bf16 product 2.5–2.9 ms the first time, 0.7–1.0 after; fp32 runs on
+MKL, which builds nothing: the same time both ways). Forward + backward of tiny-30m on a new length every step
+took 0.564 s against 0.495 at one fixed, longer length (/tmp script); the GRPO benchmark's update at 32 tokens
+0.395 / 0.413 s against 0.475 / 0.506 unpadded (docs/performance.md "One kernel per shape"). 32 costs ≤ 31
+columns of padding (~3% of that benchmark's ~480)."""
+SFT_BUCKET = 8  # a (B, T) batch: T to a multiple of 8, so B·T takes few values (≤ 7 padding tokens a row)
+
+
+def token_bucket(device: torch.device) -> int:
+    """`TOKEN_BUCKET` where this forward's matmuls run on oneDNN — a CPU under bf16 autocast — else 1."""
+    return TOKEN_BUCKET if device.type == "cpu" and torch.is_autocast_enabled("cpu") \
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16 else 1
+
+
 class PackedGroups(NamedTuple):
     """Groups packed into one row for `shared_prefix_attention`: each group's prompt once, then each of its
     completions at its own length (the inputs that predict its tokens 1 …; token 0 is predicted by the
-    prompt's last column). No padding anywhere. T columns; M completion tokens in the batch."""
+    prompt's last column). No padding between them; with `bucket` > 1, a last group of padding (no completions:
+    attended by nothing, its logits not read) takes T to a multiple of `bucket`, and `keep` repeats its last
+    column up to one. T columns; M completion tokens in the batch."""
 
     input_ids: Tensor     # (1, T)
     position_ids: Tensor  # (1, T) as the rollout used them: a slot continues from its prompt's length
@@ -162,6 +186,8 @@ class PackedGroups(NamedTuple):
     first: Tensor         # (B',) for each sequence with a completion, the index into `keep` of its prompt's last column
     seq: Tensor           # (M,) the sequence of each completion token, sequence-major
     pos: Tensor           # (M,) its column in the completion
+    groups: int           # the prompts (the first `groups` of `keep`); a padding group is not one
+    kept: int             # the columns of `keep` that are read (the rest repeat the last, to fill a bucket)
 
 
 def _group_starts(input_ids: Tensor, attention_mask: Tensor, p: int) -> list[tuple[int, int]]:
@@ -187,11 +213,13 @@ def packed_width(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> 
     return prompts + int((_completion_lengths(attention_mask, prompt_len) - 1).clamp_min(0).sum())
 
 
-def pack_groups(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int) -> PackedGroups:
+def pack_groups(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, *,
+                bucket: int = 1) -> PackedGroups:
     """Consecutive sequences with the same prompt share one copy of it. Input: the padded batch (B, P + N) —
     left-padded prompt, right-padded completion, positions as the rollout used them — so every completion
     keeps its positions (continuing from its prompt) and its context. A completion's last token is no
-    input (it predicts nothing and nothing attends to it): a slot holds n − 1 columns."""
+    input (it predicts nothing and nothing attends to it): a slot holds n − 1 columns. `bucket`: the row's
+    columns and `keep` padded up to a multiple of it (`TOKEN_BUCKET`)."""
     p = prompt_len
     lengths = _completion_lengths(attention_mask, p).tolist()
     groups = _group_starts(input_ids, attention_mask, p)
@@ -225,26 +253,36 @@ def pack_groups(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
     _require_completion(len(seq))
     lasts = torch.tensor([a + n - 1 for a, n in prefixes])
     keep = torch.cat([lasts, *slot_cols])
+    groups, kept = len(prefixes), len(keep)
+    if pad := -at % bucket:  # a group of its own, attended by nothing: the last token again, positions from 0
+        ids.append(ids[-1][-1:].expand(pad))
+        positions.append(torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device))
+        prefixes.append((at, pad))
+        slots.append(())
+    keep = torch.cat([keep, keep[-1:].expand(-kept % bucket)])
     dev = input_ids.device
     return PackedGroups(torch.cat(ids)[None], torch.cat(positions)[None], Segments(tuple(prefixes), tuple(slots)),
-                        keep.to(dev), torch.tensor(first, device=dev), torch.cat(seq).to(dev), torch.cat(pos).to(dev))
+                        keep.to(dev), torch.tensor(first, device=dev), torch.cat(seq).to(dev), torch.cat(pos).to(dev),
+                        groups, kept)
 
 
 def shared_prompt_logprobs(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, *,
-                           entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                           entropy: bool = False, bucket: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """log π of every completion token of the padded batch (B, P + N), from one forward over `pack_groups`'
     row through `shared_prefix_attention`. Shape: (B, N) fp32, 0 past a completion's end. With `entropy`,
     also the entropy of each of those predictions, (B, N), detached.
 
     Logits are computed only where they predict a completion token (each prompt's last column and every
-    slot column, `logits_to_keep`), and log-probs straight from them: no (B, N, V) tensor is built."""
-    lay = pack_groups(input_ids, attention_mask, position_ids, prompt_len)
+    slot column, `logits_to_keep`; up to a multiple of `bucket` of them, the row's columns too — None:
+    `token_bucket`), and log-probs straight from them: no (B, N, V) tensor is built."""
+    bucket = token_bucket(input_ids.device) if bucket is None else bucket
+    lay = pack_groups(input_ids, attention_mask, position_ids, prompt_len, bucket=bucket)
     width = lay.input_ids.shape[1]
     with shared_prefix(model), kept_columns(model, lay.keep) as kept:  # kept: the last layer's outputs are lay.keep's
         logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids,
                        attention_mask=torch.ones((1, 1, 1, width), dtype=torch.bool, device=input_ids.device),
-                       segments=lay.segments, logits_to_keep=0 if kept else lay.keep, use_cache=False).logits.squeeze(0)  # (K, V)
-    groups = len(lay.segments.prefixes)
+                       segments=lay.segments, logits_to_keep=0 if kept else lay.keep, use_cache=False).logits.squeeze(0)
+    logits, groups = logits[: lay.kept], lay.groups  # (K, V): the bucket's repeats dropped
     completions = input_ids[:, prompt_len:]
     at_first = lay.pos == 0
     firsts = (lay.seq[at_first], lay.pos[at_first])      # (B',) each: every completion's token 0

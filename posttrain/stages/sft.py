@@ -23,6 +23,7 @@ from posttrain.distributed import DistributedError, deal
 from posttrain.losses import sft_loss, token_logprobs
 from posttrain.runtime.config import DataSource, SFTStage, task_names
 from posttrain.runtime.context import RunContext, StageResult
+from posttrain.stages._packing import SFT_BUCKET, token_bucket
 from posttrain.stages._training import micro_batch_sync, optimizer_step, reduce_gradients, save, start_or_resume
 from posttrain.tasks import Capability
 from posttrain.telemetry import costs
@@ -54,8 +55,12 @@ def heldout_examples(ctx: RunContext, cfg: SFTStage) -> list[SFTExample]:
 
 
 def sft_batch_loss(model, encoded: list[EncodedSFT], pad_id: int, num_tokens: float) -> tuple[torch.Tensor, int]:
-    """Response-token NLL of a micro-batch over the step's token count. Returns (loss, tokens)."""
-    b = collate_sft(encoded, pad_id)  # (B, T) each
+    """Response-token NLL of a micro-batch over the step's token count. Returns (loss, tokens). Where the
+    matmuls are bf16 on a CPU, T is padded up to a multiple of `SFT_BUCKET` (`_packing.TOKEN_BUCKET`: oneDNN
+    builds a kernel per shape)."""
+    bucket = SFT_BUCKET if token_bucket(next(model.parameters()).device) > 1 else 1
+    longest = max((len(e.input_ids) for e in encoded), default=0)
+    b = collate_sft(encoded, pad_id, pad_to=-(-longest // bucket) * bucket)  # (B, T) each
     logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False).logits[:, :-1]  # (B, T-1, V)
     targets = b.labels[:, 1:]
     mask = (targets != -100).to(logits.dtype)
