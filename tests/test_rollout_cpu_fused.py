@@ -73,7 +73,7 @@ def test_projection_kind_picks_packing_only_for_large_cpu_weights():
     assert projection_kind(torch.float32, 8, cpu, small) == "mm"
     assert projection_kind(torch.float32, 1, cpu, big) == "mm"
     assert projection_kind(torch.float32, 64, cpu, big) == "mm"
-    assert projection_kind(torch.bfloat16, 1, cpu, big) == "mv"
+    assert projection_kind(torch.bfloat16, 1, cpu, big) == ("amx" if FORMS["amx"].available(torch.bfloat16, 1) else "mv")
     assert projection_kind(torch.float32, 8, torch.device("meta"), big) == "mm"
     with pytest.raises(ValueError, match="kind='nt'"):
         make_projection(torch.zeros(2, 2), None, "nt", 1)
