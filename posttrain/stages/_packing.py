@@ -253,7 +253,7 @@ def pack_groups(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
     _require_completion(len(seq))
     lasts = torch.tensor([a + n - 1 for a, n in prefixes])
     keep = torch.cat([lasts, *slot_cols])
-    groups, kept = len(prefixes), len(keep)
+    prompts, kept = len(prefixes), len(keep)
     if pad := -at % bucket:  # a group of its own, attended by nothing: the last token again, positions from 0
         ids.append(ids[-1][-1:].expand(pad))
         positions.append(torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device))
@@ -263,7 +263,7 @@ def pack_groups(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
     dev = input_ids.device
     return PackedGroups(torch.cat(ids)[None], torch.cat(positions)[None], Segments(tuple(prefixes), tuple(slots)),
                         keep.to(dev), torch.tensor(first, device=dev), torch.cat(seq).to(dev), torch.cat(pos).to(dev),
-                        groups, kept)
+                        prompts, kept)
 
 
 def shared_prompt_logprobs(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, *,
