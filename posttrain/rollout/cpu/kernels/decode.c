@@ -704,28 +704,23 @@ static void amx_rows32(int nb, int steps, const uint16_t *x, long x_stride, cons
     const long xb = x_stride * 2;
     for (int q = 0; q < nb; q += 2) {
         const uint16_t *w0 = wb + q * w_step, *w1 = w0 + w_step;
+        const int two = q + 1 < nb;  /* a second block (the group's last may be alone) */
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        if (q + 1 < nb) {
-            for (int s = 0; s < steps; s++) {
-                _tile_loadd(4, x + 32 * s, xb);
-                _tile_loadd(5, x1 + 32 * s, xb);
-                _tile_loadd(6, w0 + (long)s * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(2, 5, 6);
+        for (int s = 0; s < steps; s++) {
+            _tile_loadd(4, x + 32 * s, xb);
+            _tile_loadd(5, x1 + 32 * s, xb);
+            _tile_loadd(6, w0 + (long)s * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) {
                 _tile_loadd(7, w1 + (long)s * 512, 64);
                 _tile_dpbf16ps(1, 4, 7);
                 _tile_dpbf16ps(3, 5, 7);
             }
+        }
+        if (two) {
             _tile_stored(1, sums[q + 1][0], 64);
             _tile_stored(3, sums[q + 1][16], 64);
-        } else {
-            for (int s = 0; s < steps; s++) {
-                _tile_loadd(4, x + 32 * s, xb);
-                _tile_loadd(5, x1 + 32 * s, xb);
-                _tile_loadd(6, w0 + (long)s * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(2, 5, 6);
-            }
         }
         _tile_stored(0, sums[q][0], 64);
         _tile_stored(2, sums[q][16], 64);
