@@ -191,9 +191,9 @@ def test_packed_gemm_equals_the_product(lib, rows, n, k, bias, accumulate, dtype
     (16, 2816, 512, True, False),  # tiny-30m's gate/up at the GRPO benchmark's 16 rows: whole tiles
     (13, 300, 96, True, True),     # 19 blocks: 4 groups of 4, then 3 blocks one at a time
     (17, 100, 70, False, True),    # 16 rows then 1 (the tiles configured again); 35 pairs: 2 tile steps + 3
-    (40, 64, 1408, True, True),    # 32 rows two row tiles by two blocks, then 8 by four blocks; k 1,408: 44 tile steps
-    (32, 300, 96, True, False),    # 32 rows: 19 blocks, the last group's 3 a pair and one alone
-    (70, 100, 70, False, True),    # 32 + 32 + 6 rows, the rows past 16 of each 32 on their own tiles; 3 pairs left
+    (40, 64, 1408, True, True),    # 16 + 16 + 8 rows; k 1,408: 44 tile steps
+    (32, 300, 96, True, False),    # 16 + 16 rows, the tiles configured once: 19 blocks, the last group's 3 one by one
+    (70, 100, 70, False, True),    # 16 × 4 + 6 rows; 35 pairs: 2 tile steps + 3
     (3, 33, 2, False, False),      # one pair: no tile step at all
 ])
 def test_amx_gemm_equals_the_product(rows, n, k, bias, accumulate):

@@ -638,10 +638,8 @@ int posttrain_gemm_bf16(int rows, int n, int k, const uint16_t *x, long x_stride
  * A packed block's pair lines (16 columns × one bf16 pair, 64 bytes) are the rows of an AMX B tile, so the
  * layout above serves both kernels. Each thread takes groups of 4 column blocks; per group and per 16 rows,
  * tiles 0–3 accumulate the 4 blocks' (≤ 16 rows × 16 columns) fp32 sums, tile 4 holds ≤ 16 rows × 32 k of x,
- * tiles 5–7 the blocks' next 16 pairs (one `tdpbf16ps` multiplies 16 pairs deep). Past 16 rows, 32 rows at a time
- * go two blocks by two row tiles (`amx_rows32`: each weight tile loaded feeds two products, not one). A k not a
- * multiple of 32 ends with its last < 16 pairs on the AVX512-BF16 dot products. Weights are read from memory
- * once a call (the group's, from cache, for every further 32 rows). Sums are
+ * tiles 5–7 the blocks' next 16 pairs (one `tdpbf16ps` multiplies 16 pairs deep). A k not a multiple of 32
+ * ends with its last < 16 pairs on the AVX512-BF16 dot products. Weights are read once per 16 rows. Sums are
  * fp32 in another order than the AVX-512 kernel's; the epilogue (bias, residual, one rounding) is the same.
  * `posttrain_amx_path` asks Linux for the tile state once per process (`arch_prctl`, which fails where the CPU
  * has no AMX): 0 where it refuses or the build has no AMX, and the matmul then returns -1. */
@@ -683,53 +681,9 @@ static void amx_configure(int M) {
     _tile_loadconfig(&c);
 }
 
-/* Tiles for 16 + M2 rows, two row tiles by two blocks: 0, 1 sums of rows 0–15 (16 × 16 fp32) and 2, 3 of the
- * rest (M2 × 16), 4 and 5 their x (16 and M2 × 32 bf16), 6 and 7 two blocks' 16 pair lines. */
-static void amx_configure32(int M2) {
-    static const uint8_t second[8] = {0, 0, 1, 1, 0, 1, 0, 0};  /* the tiles sized to the second row tile */
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = second[t] ? (uint8_t)M2 : 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
-/* sums[q][m] ← rows 0 … 15 + M2 of x times blocks q < nb over 16 · steps pairs (configured by amx_configure32) */
-static void amx_rows32(int nb, int steps, const uint16_t *x, long x_stride, const uint16_t *wb, long w_step,
-                       float sums[4][32][16]) {
-    const uint16_t *x1 = x + 16 * x_stride;
-    const long xb = x_stride * 2;
-    for (int q = 0; q < nb; q += 2) {
-        const uint16_t *w0 = wb + q * w_step, *w1 = w0 + w_step;
-        const int two = q + 1 < nb;  /* a second block (the group's last may be alone) */
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int s = 0; s < steps; s++) {
-            _tile_loadd(4, x + 32 * s, xb);
-            _tile_loadd(5, x1 + 32 * s, xb);
-            _tile_loadd(6, w0 + (long)s * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two) {
-                _tile_loadd(7, w1 + (long)s * 512, 64);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-        if (two) {
-            _tile_stored(1, sums[q + 1][0], 64);
-            _tile_stored(3, sums[q + 1][16], 64);
-        }
-        _tile_stored(0, sums[q][0], 64);
-        _tile_stored(2, sums[q][16], 64);
-    }
-}
-
 /* sums[q][m] += the last `rest` pairs (from pair `first`) of row m of x times block q, on AVX512-BF16 */
 static void amx_rest(int nb, int M, int first, int rest, const uint16_t *x, long x_stride, const uint16_t *wb,
-                     long w_step, float sums[4][32][16]) {
+                     long w_step, float sums[4][16][16]) {
     for (int q = 0; q < nb; q++)
         for (int m = 0; m < M; m++) {
             __m512 acc = _mm512_load_ps(sums[q][m]);
@@ -752,24 +706,20 @@ int posttrain_gemm_bf16_amx(int rows, int n, int k, const uint16_t *x, long x_st
     const long w_step = (long)pairs * 32, xb = x_stride * 2;  /* a block's elements; x's row stride in bytes */
 #pragma omp parallel num_threads(threads)
     {
-        float sums[4][32][16] __attribute__((aligned(64)));
-        int configured = 0;  /* M ≤ 16: amx_configure(M); 32 + M2: amx_configure32(M2) */
+        float sums[4][16][16] __attribute__((aligned(64)));
+        int configured = 0;
 #pragma omp for schedule(static)
         for (int gi = 0; gi < groups; gi++) {
             const int b0 = 4 * gi, nb = blocks - b0 < 4 ? blocks - b0 : 4;
             const uint16_t *wb = packed + (long)b0 * w_step;
-            for (int r0 = 0; r0 < rows; r0 += 32) {
-                const int M = rows - r0 < 32 ? rows - r0 : 32;
+            for (int r0 = 0; r0 < rows; r0 += 16) {
+                const int M = rows - r0 < 16 ? rows - r0 : 16;
                 const uint16_t *xr = x + (long)r0 * x_stride;
-                const int config = M > 16 ? 16 + M : M;
-                if (config != configured) {
-                    if (M > 16) amx_configure32(M - 16);
-                    else amx_configure(M);
-                    configured = config;
+                if (M != configured) {
+                    amx_configure(M);
+                    configured = M;
                 }
-                if (M > 16) {
-                    amx_rows32(nb, steps, xr, x_stride, wb, w_step, sums);
-                } else if (nb == 4) {
+                if (nb == 4) {
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                     for (int s = 0; s < steps; s++) {
                         const uint16_t *w = wb + (long)s * 512;  /* 16 pair lines of 32 */
@@ -783,8 +733,8 @@ int posttrain_gemm_bf16_amx(int rows, int n, int k, const uint16_t *x, long x_st
                         _tile_loadd(5, w + 3 * w_step, 64);
                         _tile_dpbf16ps(3, 4, 5);
                     }
-                    _tile_stored(0, sums[0][0], 64); _tile_stored(1, sums[1][0], 64);
-                    _tile_stored(2, sums[2][0], 64); _tile_stored(3, sums[3][0], 64);
+                    _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);
+                    _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64);
                 } else {
                     for (int q = 0; q < nb; q++) {
                         _tile_zero(0);
@@ -793,17 +743,15 @@ int posttrain_gemm_bf16_amx(int rows, int n, int k, const uint16_t *x, long x_st
                             _tile_loadd(5, wb + q * w_step + (long)s * 512, 64);
                             _tile_dpbf16ps(0, 4, 5);
                         }
-                        _tile_stored(0, sums[q][0], 64);
+                        _tile_stored(0, sums[q], 64);
                     }
                 }
                 if (pairs % 16) amx_rest(nb, M, 16 * steps, pairs % 16, xr, x_stride, wb, w_step, sums);
-                for (int q = 0; q < nb; q++)
-                    for (int m0 = 0; m0 < M; m0 += 16) {
-                        const int R = M - m0 < 16 ? M - m0 : 16;
-                        __m512 acc[16];
-                        for (int m = 0; m < R; m++) acc[m] = _mm512_load_ps(sums[q][m0 + m]);
-                        store_block(R, acc, n, b0 + q, bias, out + (long)(r0 + m0) * out_stride, out_stride, accumulate);
-                    }
+                for (int q = 0; q < nb; q++) {
+                    __m512 acc[16];
+                    for (int m = 0; m < M; m++) acc[m] = _mm512_load_ps(sums[q][m]);
+                    store_block(M, acc, n, b0 + q, bias, out + (long)r0 * out_stride, out_stride, accumulate);
+                }
             }
         }
         if (configured) _tile_release();
