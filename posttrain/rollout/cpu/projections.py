@@ -47,7 +47,7 @@ def projection_kind(dtype: torch.dtype, rows: int, device: torch.device, weight_
     fp32: `mm`, except MKL's packed sgemm for 2–32 rows when the weights are at least `PACK_MIN_BYTES`
     (they stream from memory every step; ~25 % faster than `mm` at 8 rows, equal at 1 and 64 rows;
     on cache-resident weights its extra copy costs more than it saves). bf16: our matmul on AMX tiles where the
-    CPU has them (`AMXGemm`: at 8–64 rows 1.1–1.6× oneDNN's, at 1 row 1.5× `mv`; docs/rollout.md), else
+    CPU has them (`AMXGemm`: at 8–64 rows 1.1–1.6× oneDNN's, at 1 row 1.7× `mv`; docs/rollout.md), else
     oneDNN's packed GEMM (~1.2–1.5× `mm`, whose per-call cost is ~25 µs even for tiny matrices), except `mv`
     for one row of large weights (~1.3× `F.linear`).
     """
