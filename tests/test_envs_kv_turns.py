@@ -80,9 +80,14 @@ def test_kept_kv_gives_the_same_episodes(model, tok, params):
     assert len(engine.prefix_cache) == 0 and engine.prefix_cache.bytes == 0  # all released at the end
 
 
-def test_kept_kv_in_bf16_gives_the_same_tokens(model, tok):
+def test_kept_kv_in_bf16_gives_the_same_tokens(model, tok, monkeypatch):
     # a bf16 cache (bf16 arithmetic, C attention): kept values are the bf16 numbers the earlier turn wrote,
-    # a full prefill rounds its own (1 bf16 ulp apart at most per value); tokens are expected to agree
+    # a full prefill rounds its own (1 bf16 ulp apart at most per value); tokens are expected to agree.
+    # The matmul forms are the static ones: the tuner times each row bucket apart, and where its timings give
+    # one bucket another kernel (another summation order) than the next, the kept and the fresh run, which
+    # multiply a turn's tokens in different row counts, differ by more than the cache's rounding (a log-prob
+    # 0.073 apart on the AMX Xeon, 7 Dec)
+    monkeypatch.setenv("POSTTRAIN_MATMUL_TUNE", "0")
     opts = dict(dtype=torch.bfloat16, compute=torch.bfloat16)
     params = SamplingParams(temperature=0.0)
     _, kept = _play(model, tok, True, params, **opts)
