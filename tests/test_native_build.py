@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posttrain import native
-from posttrain.native import rmsnorm, rope, softmax, swiglu
+from posttrain.native import logprobs, rmsnorm, rope, softmax, swiglu
 
 
 def _softmax_args():
@@ -23,6 +23,7 @@ LIBRARIES = {  # module: (what the warning names, arguments its `usable` takes w
     rmsnorm: ("RMSNorm", lambda: (torch.zeros(2, 4), torch.ones(4), torch.ones(2, 1), torch.zeros(2, 4))),
     rope: ("rotary embedding", lambda: (torch.zeros(1, 3, 8, dtype=torch.bfloat16), torch.ones(1, 3, 4),
                                         torch.zeros(1, 3, 4), 4)),
+    logprobs: ("log-prob", lambda: (torch.zeros(1, 2, 5),)),
 }
 
 

@@ -16,6 +16,12 @@ Departures from the naive reference `token_logprobs_naive`:
 2. For fp16/bf16 logits it computes in fp32 and returns fp32: a bf16 log-prob of −7 is only resolved
    to ±0.016, which becomes a ±1.6% error in the PPO ratio exp(new − old). The naive reference stays
    in the input dtype, so the dtype test shows the difference.
+3. On a CPU, bf16 and fp32 logits go through a C kernel (`native/logprobs.py`, kernels/logprobs.c): the
+   same quantities in fp32 from two reads of each position's row forward and one backward, where the
+   PyTorch ops below (the reference, and the fallback without a compiler or with
+   `POSTTRAIN_C_KERNELS=0`) make a dozen passes over an fp32 copy; ~10× faster at a 49k vocabulary
+   (docs/performance.md, "The log-probs over the vocabulary"). Its e^x is a polynomial (relative
+   error ~2e-7), so the two agree to fp32 round-off, not bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +30,13 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from posttrain.losses._masked import check_ndim, check_same_shape, masked_count, masked_sum
+from posttrain.losses._masked import (
+    check_ndim,
+    check_same_shape,
+    masked_count,
+    masked_sum,
+)
+from posttrain.native import logprobs as native_logprobs
 
 DEFAULT_CHUNK_SIZE = 1024  # positions per chunk: 1024 × 150k vocab × 4 B = 600 MB of fp32 scratch
 
@@ -58,6 +70,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, logits: Tensor, tokens: Tensor, chunk_size: int) -> Tensor:
         # logits (R, C, V), tokens (R, C) → (R, C)
+        lib = native_logprobs.usable(logits)
+        ctx.lib, ctx.chunk_size = lib, chunk_size
+        if lib is not None:
+            out, lse, _ = native_logprobs.forward(lib, logits, tokens)
+            ctx.save_for_backward(logits, tokens, lse)
+            return out
         acc = _compute_dtype(logits.dtype)
         rows, cols = tokens.shape
         out = torch.empty(rows, cols, dtype=acc, device=logits.device)
@@ -67,13 +85,14 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             lse[r, c] = torch.logsumexp(block, dim=-1)
             out[r, c] = block.gather(-1, tokens[r, c, None]).squeeze(-1) - lse[r, c]
         ctx.save_for_backward(logits, tokens, lse)
-        ctx.chunk_size = chunk_size
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor, None, None]:
         logits, tokens, lse = ctx.saved_tensors
+        if ctx.lib is not None:
+            return native_logprobs.backward(ctx.lib, logits, tokens, lse, grad_out), None, None
         acc = lse.dtype
         grad = torch.empty_like(logits)
         rows, cols = tokens.shape
@@ -134,7 +153,8 @@ def entropy_from_logits(logits: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE)
     """Entropy of softmax(logits) at each position: H = logsumexp(z) − Σ_v p_v z_v.
 
     Shape: (..., V) → (...). Computed in fp32 for fp16/bf16 logits (returned as fp32). Chunking bounds
-    the fp32 scratch in a no-grad pass; under autograd each chunk's softmax is kept for backward.
+    the fp32 scratch in a no-grad pass; under autograd each chunk's softmax is kept for backward. Where
+    no gradient is asked for, CPU logits take the C kernel (departure 3).
     """
     if logits.ndim < 1 or not logits.is_floating_point():
         raise ValueError(f"entropy_from_logits: expected floating logits (..., V), got {logits.dtype} "
@@ -143,6 +163,9 @@ def entropy_from_logits(logits: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE)
         raise ValueError(f"entropy_from_logits: chunk_size must be >= 1, got {chunk_size}")
     acc = _compute_dtype(logits.dtype)
     grid = _as_grid(logits)  # (R, C, V)
+    lib = None if torch.is_grad_enabled() and logits.requires_grad else native_logprobs.usable(grid)
+    if lib is not None:
+        return native_logprobs.forward(lib, grid, None, entropy=True)[2].reshape(logits.shape[:-1])
     out = torch.empty(grid.shape[:2], dtype=acc, device=logits.device)
     for r, c in _blocks(grid.shape[0], grid.shape[1], chunk_size):
         z = grid[r, c].to(acc)

@@ -9,8 +9,10 @@ with a warning that says why, once per library and process. The libraries:
   and its backward, bf16 in and out (`models/prefix_attention.py`);
 - `swiglu` (kernels/swiglu.c, `native/swiglu.py`): the gated MLP's elementwise backward (`models/fused_mlp.py`);
 - `rmsnorm` (kernels/rmsnorm.c, `native/rmsnorm.py`): the fused RMSNorm's backward (`models/fused_norm.py`);
-- `rope` (kernels/rope.c, `native/rope.py`): the rotary embedding, forward and backward (`models/fused_attention.py`).
-The last four are `Library` objects: built and loaded on first use, once per build kind.
+- `rope` (kernels/rope.c, `native/rope.py`): the rotary embedding, forward and backward (`models/fused_attention.py`);
+- `logprobs` (kernels/logprobs.c, `native/logprobs.py`): token log-probs, entropies and the log-probs' gradient
+  over the vocabulary (`losses/logprobs.py`).
+The last five are `Library` objects: built and loaded on first use, once per build kind.
 
 A source is built as one translation unit behind `kernels/common.h` (bf16 casts, exp, the AVX-512
 loads and stores) with the system C compiler (`$CC`, else `cc`, else `gcc`): `-O3 -march=native
