@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from posttrain.models import fused_lora
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT = "_posttrain_peft"  # where `wrap` keeps the PeftModel: the module's __dict__ (not a submodule)
@@ -85,6 +87,7 @@ def _attach(model: nn.Module, peft: nn.Module, base: str | Path | None) -> None:
     if base is not None:
         peft.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
     model.__dict__[_PEFT] = peft  # a plain attribute: no submodule, so state_dict() and parameters() are unchanged
+    fused_lora.install(model)  # under autocast each adapted linear is one node (models/fused_lora.py); PEFT's forward otherwise
 
 
 def is_lora(model: nn.Module) -> bool:
