@@ -232,7 +232,9 @@ def test_shared_prefix_forward_equals_the_padded_one(tokenizer, arch, amp, produ
     atol = 5e-2 if amp else 1e-4
     torch.testing.assert_close(shared, padded, atol=atol, rtol=0)
     for n, g in g_padded.items():
-        torch.testing.assert_close(g_shared[n], g, atol=atol * 2, rtol=5e-2 if amp else 1e-3, msg=n)
+        # bf16: the two forwards' roundings reach ~0.1 on the tied embedding's largest entries (0.104 over the
+        # rtol with the log-probs' C kernel, 0.090 with PyTorch's ops; its gradient agrees to 0.7% in norm either way)
+        torch.testing.assert_close(g_shared[n], g, atol=atol * 3 if amp else atol * 2, rtol=5e-2 if amp else 1e-3, msg=n)
     assert model.config._attn_implementation == "eager"  # switched back after the forward
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.losses import entropy_from_logits, token_logprobs
+from posttrain.losses import entropy_from_logits, row_token_logprobs, token_logprobs
 from posttrain.losses import logprobs as losses_logprobs
 from posttrain.native import logprobs as kernel
 
@@ -137,3 +137,41 @@ def test_logits_it_does_not_take_go_through_pytorch(monkeypatch):
     # and fp64 logits keep the exact reference path
     z64 = torch.randn(2, 3, 7, dtype=torch.float64)
     assert losses_logprobs.token_logprobs(z64, torch.zeros(2, 3, dtype=torch.long)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_token_logprobs_reads_several_tokens_a_row_and_writes_every_rows_gradient(monkeypatch, dtype):
+    if kernel.library() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(6)
+    z = (torch.randn(7, 300, generator=g) * 3).to(dtype)
+    # row 0 read by four tokens (two of them the same token), rows 1-4 once each, rows 5-6 by none (a bucket's repeats)
+    rows = torch.tensor([0, 0, 0, 0, 1, 2, 3, 4])
+    tokens = torch.tensor([5, 9, 5, 299, 0, 17, 17, 3])
+    w = torch.randn(8, generator=g)
+    za = z.clone().requires_grad_()
+    fast = row_token_logprobs(za, rows, tokens)
+    (fast * w).sum().backward()
+    _through_pytorch(monkeypatch)
+    zb = z.clone().requires_grad_()
+    ref = row_token_logprobs(zb, rows, tokens)  # the fallback: token_logprobs(logits[rows], tokens)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-6)
+    if dtype == torch.float32:  # in bf16 the fallback rounds each entry's row, then sums them in bf16
+        torch.testing.assert_close(za.grad, zb.grad, atol=2e-6, rtol=1e-5)
+    rounding = BF16_ROUNDING if dtype == torch.bfloat16 else 1e-5  # the kernel: summed in fp32, rounded once
+    assert torch.all(za.grad[5:] == 0)
+    exact = w.double()[:, None] * (torch.nn.functional.one_hot(tokens, 300).double()
+                                   - torch.softmax(z.double()[rows], -1))
+    torch.testing.assert_close(za.grad.double(), torch.zeros(7, 300, dtype=torch.double).index_add(0, rows, exact),
+                               atol=2e-6, rtol=rounding)
+
+
+def test_row_token_logprobs_names_a_bad_row_or_token():
+    z = torch.randn(3, 10)
+    with pytest.raises(ValueError, match="rows span"):
+        row_token_logprobs(z, torch.tensor([0, 3]), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="token ids span"):
+        row_token_logprobs(z, torch.tensor([0, 1]), torch.tensor([1, 10]))
+    with pytest.raises(ValueError, match="expected"):
+        row_token_logprobs(z[None], torch.tensor([0]), torch.tensor([1]))

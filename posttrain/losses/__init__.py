@@ -39,6 +39,7 @@ from posttrain.losses.kl import (
 )
 from posttrain.losses.logprobs import (
     entropy_from_logits,
+    row_token_logprobs,
     sequence_logprob_mean,
     sequence_logprob_sum,
     token_logprobs,
@@ -129,6 +130,7 @@ __all__ = [
     "rankings_to_pairs",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "row_token_logprobs",
     "seq_mean_token_mean",
     "seq_mean_token_sum_norm",
     "sequence_logprob_mean",

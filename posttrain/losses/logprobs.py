@@ -143,6 +143,46 @@ def token_logprobs(logits: Tensor, tokens: Tensor, *, chunk_size: int = DEFAULT_
     return _ChunkedTokenLogprobs.apply(grid_logits, grid_tokens, chunk_size).reshape(lead)
 
 
+class _RowTokenLogprobs(torch.autograd.Function):
+    """z[rows[j], tokens[j]] − logsumexp(z[rows[j]]) through the C kernel: each row's normaliser once, the
+    gradient of every row written in one pass (no gathered copy of the rows, no zero-filled scatter)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, logits: Tensor, rows: Tensor, tokens: Tensor, lib) -> Tensor:
+        _, lse, _ = native_logprobs.forward(lib, logits[None], None)
+        lse = lse[0]
+        ctx.save_for_backward(logits, rows, tokens, lse)
+        ctx.lib = lib
+        return logits[rows, tokens].float() - lse[rows]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+        logits, rows, tokens, lse = ctx.saved_tensors
+        return native_logprobs.row_backward(ctx.lib, logits, lse, rows, tokens, grad_out), None, None, None
+
+
+def row_token_logprobs(logits: Tensor, rows: Tensor, tokens: Tensor) -> Tensor:
+    """log π(tokens[j]) under the logits of row rows[j], for logits (K, V) and rows, tokens (M,) → (M,).
+
+    Several tokens may be read from one row: a prompt's last column predicts the first token of each of its
+    G completions. The same as `token_logprobs(logits[rows], tokens)`, which is the path without the C kernel;
+    with it (CPU, bf16 or fp32) no (M, V) copy of the rows is gathered and the backward writes the logits'
+    whole gradient in one pass (a row no entry reads gets 0)."""
+    if logits.ndim != 2 or rows.shape != tokens.shape or rows.ndim != 1:
+        raise ValueError(f"row_token_logprobs: logits {tuple(logits.shape)}, rows {tuple(rows.shape)} and tokens "
+                         f"{tuple(tokens.shape)}; expected (K, V), (M,) and (M,)")
+    lib = native_logprobs.usable(logits[None])
+    if lib is None:
+        return token_logprobs(logits[rows], tokens)
+    rows = rows.long()
+    if rows.numel() and (rows.min().item() < 0 or rows.max().item() >= logits.shape[0]):
+        raise ValueError(f"row_token_logprobs: rows span [{rows.min().item()}, {rows.max().item()}], expected "
+                         f"[0, {logits.shape[0]})")
+    _check_logits_tokens("row_token_logprobs", logits[:1].expand(tokens.shape[0], -1), tokens)  # a view: ids, dtype
+    return _RowTokenLogprobs.apply(logits, rows, tokens.long(), lib)
+
+
 def token_logprobs_naive(logits: Tensor, tokens: Tensor) -> Tensor:
     """Reference: `log_softmax(logits).gather(tokens)`, in the logits' dtype. Shape: (..., V), (...) → (...)."""
     _check_logits_tokens("token_logprobs_naive", logits, tokens)

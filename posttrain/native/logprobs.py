@@ -20,6 +20,7 @@ _I, _P, _N = ctypes.c_int, ctypes.c_void_p, ctypes.c_long
 SIGNATURES: native.Signatures = {  # name: (result, arguments), as in kernels/logprobs.c
     "posttrain_token_logprobs": (_I, (_N, _N, _N, _N, _N, _P, _I, _P, _P, _P, _P, _I)),
     "posttrain_token_logprobs_backward": (_I, (_N, _N, _N, _N, _N, _P, _I, _P, _P, _P, _P, _I)),
+    "posttrain_row_logprobs_backward": (_I, (_N, _N, _N, _P, _I, _P, _P, _P, _P, _P, _P, _I)),
     "posttrain_logprobs_vector_path": (_I, ()),
 }
 LIBRARY = native.Library("logprobs", SIGNATURES, "log-prob")
@@ -74,4 +75,21 @@ def backward(lib: ctypes.CDLL, grid: Tensor, tokens: Tensor, lse: Tensor, grad: 
                                                  int(grid.dtype == torch.bfloat16), tokens.data_ptr(), lse.data_ptr(),
                                                  grad.data_ptr(), out.data_ptr(), torch.get_num_threads()),
            "token log-probs' backward")
+    return out
+
+
+def row_backward(lib: ctypes.CDLL, logits: Tensor, lse: Tensor, rows: Tensor, tokens: Tensor, grad: Tensor) -> Tensor:
+    """The gradient of log-probs read several to a row: entry j is `tokens[j]` under row `rows[j]` of the (K, V)
+    logits with gradient `grad[j]`. (K, V), contiguous, in the logits' dtype; a row no entry reads gets 0."""
+    k, vocab = logits.shape
+    rows = rows.to(torch.int64)
+    order = torch.argsort(rows, stable=True)
+    starts = torch.searchsorted(rows[order], torch.arange(k + 1, dtype=torch.int64))
+    tokens = tokens.to(torch.int64).contiguous()
+    lse, grad = lse.float().contiguous(), grad.float().contiguous()
+    out = torch.empty(k, vocab, dtype=logits.dtype)
+    _check(lib.posttrain_row_logprobs_backward(k, vocab, logits.stride(0), logits.data_ptr(),
+                                               int(logits.dtype == torch.bfloat16), lse.data_ptr(), starts.data_ptr(),
+                                               order.data_ptr(), tokens.data_ptr(), grad.data_ptr(), out.data_ptr(),
+                                               torch.get_num_threads()), "row log-probs' backward")
     return out

@@ -30,7 +30,13 @@ import torch
 from torch import Tensor
 
 from posttrain.data import EncodedCompletion, collate_sft
-from posttrain.losses import entropy_from_logits, sequence_logprob_mean, sequence_logprob_sum, token_logprobs
+from posttrain.losses import (
+    entropy_from_logits,
+    row_token_logprobs,
+    sequence_logprob_mean,
+    sequence_logprob_sum,
+    token_logprobs,
+)
 from posttrain.models.kept_columns import kept_columns
 from posttrain.models.prefix_attention import Segments, shared_prefix
 from posttrain.rollout.text import positions_from_mask
@@ -282,19 +288,20 @@ def shared_prompt_logprobs(model, input_ids: Tensor, attention_mask: Tensor, pos
         logits = model(input_ids=lay.input_ids, position_ids=lay.position_ids,
                        attention_mask=torch.ones((1, 1, 1, width), dtype=torch.bool, device=input_ids.device),
                        segments=lay.segments, logits_to_keep=0 if kept else lay.keep, use_cache=False).logits.squeeze(0)
-    logits, groups = logits[: lay.kept], lay.groups  # (K, V): the bucket's repeats dropped
+    groups = lay.groups  # logits (K', V): K' − lay.kept of them the bucket's repeats, read by no token
     completions = input_ids[:, prompt_len:]
     at_first = lay.pos == 0
     firsts = (lay.seq[at_first], lay.pos[at_first])      # (B',) each: every completion's token 0
     rest = (lay.seq[~at_first], lay.pos[~at_first])      # (M − B',) each: its other tokens, in slot-column order
-    lp_first = token_logprobs(logits[:groups][lay.first], completions[firsts])
-    lp_rest = token_logprobs(logits[groups:], completions[rest])
-    out = torch.zeros(completions.shape, dtype=lp_first.dtype, device=logits.device)
-    out = out.index_put(firsts, lp_first).index_put(rest, lp_rest)
+    n_rest = int(rest[0].numel())
+    rows = torch.cat([lay.first, torch.arange(groups, groups + n_rest, device=logits.device)])  # each token's row
+    lp = row_token_logprobs(logits, rows, torch.cat([completions[firsts], completions[rest]]))
+    out = torch.zeros(completions.shape, dtype=lp.dtype, device=logits.device)
+    out = out.index_put(firsts, lp[: lp.shape[0] - n_rest]).index_put(rest, lp[lp.shape[0] - n_rest :])
     if not entropy:
         return out
     with torch.no_grad():
-        ent = entropy_from_logits(logits.detach())                         # (K,)
+        ent = entropy_from_logits(logits[: lay.kept].detach())             # (K,)
         h = torch.zeros(completions.shape, dtype=ent.dtype, device=ent.device)
         h[firsts], h[rest] = ent[:groups][lay.first], ent[groups:]
     return out, h

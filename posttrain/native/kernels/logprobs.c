@@ -130,4 +130,36 @@ int posttrain_token_logprobs_backward(long R, long C, long V, long sr, long sc, 
     return 0;
 }
 
+/* The gradient of log-probs read several to a row (`row_token_logprobs`): entry j is token tokens[j] of row
+ * rows[j] with gradient grad[j]; the entries of row k are order[starts[k] .. starts[k+1]) (sorted by row).
+ * out (K rows of V, contiguous) = −total_k · softmax(row k) + Σ_j grad[j] at tokens[j], total_k = Σ_j grad[j],
+ * in fp32 and rounded once (an entry whose token a later entry of its row repeats is summed with it) */
+int posttrain_row_logprobs_backward(long K, long V, long stride, const void *logits, int bf16, const float *lse,
+                                    const int64_t *starts, const int64_t *order, const int64_t *tokens,
+                                    const float *grad, void *out, int threads) {
+    if (V <= 0 || K < 0) return -1;
+    const size_t width = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long k = 0; k < K; k++) {
+        const char *row = (const char *)logits + k * stride * (long)width;
+        char *dst = (char *)out + k * V * (long)width;
+        float total = 0.0f;
+        for (int64_t e = starts[k]; e < starts[k + 1]; e++) total += grad[order[e]];
+        row_backward(row, bf16, V, -1, lse[k], total, dst);
+        for (int64_t e = starts[k]; e < starts[k + 1]; e++) {
+            const int64_t t = tokens[order[e]];
+            int seen = 0;
+            for (int64_t f = starts[k]; f < e && !seen; f++) seen = tokens[order[f]] == t;
+            if (seen) continue;
+            float sum = 0.0f;
+            for (int64_t f = e; f < starts[k + 1]; f++)
+                if (tokens[order[f]] == t) sum += grad[order[f]];
+            const float at = -total * exp_nonpositive(logit_at(row, bf16, t) - lse[k]) + sum;
+            if (bf16) ((uint16_t *)dst)[t] = f32_to_bf16(at);
+            else ((float *)dst)[t] = at;
+        }
+    }
+    return 0;
+}
+
 int posttrain_logprobs_vector_path(void) { return USE_AVX512; }
