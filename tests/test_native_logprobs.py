@@ -141,8 +141,7 @@ def test_logits_it_does_not_take_go_through_pytorch(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_token_logprobs_reads_several_tokens_a_row_and_writes_every_rows_gradient(monkeypatch, dtype):
-    if kernel.library() is None:
-        pytest.skip("no C compiler")
+    """Through the kernel where it builds (else the PyTorch ops twice), against the PyTorch ops and the formula."""
     g = torch.Generator().manual_seed(6)
     z = (torch.randn(7, 300, generator=g) * 3).to(dtype)
     # row 0 read by four tokens (two of them the same token), rows 1-4 once each, rows 5-6 by none (a bucket's repeats)
@@ -153,18 +152,21 @@ def test_row_token_logprobs_reads_several_tokens_a_row_and_writes_every_rows_gra
     fast = row_token_logprobs(za, rows, tokens)
     (fast * w).sum().backward()
     _through_pytorch(monkeypatch)
-    zb = z.clone().requires_grad_()
-    ref = row_token_logprobs(zb, rows, tokens)  # the fallback: token_logprobs(logits[rows], tokens)
+    zb, zc = z.clone().requires_grad_(), z.clone().requires_grad_()
+    ref = row_token_logprobs(zb, rows, tokens, chunk_size=3)  # the PyTorch ops, chunks of rows that split row groups
     (ref * w).sum().backward()
+    (token_logprobs(zc[rows], tokens) * w).sum().backward()   # the gathered rows, as a caller would without it
     torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-6)
-    if dtype == torch.float32:  # in bf16 the fallback rounds each entry's row, then sums them in bf16
-        torch.testing.assert_close(za.grad, zb.grad, atol=2e-6, rtol=1e-5)
-    rounding = BF16_ROUNDING if dtype == torch.bfloat16 else 1e-5  # the kernel: summed in fp32, rounded once
-    assert torch.all(za.grad[5:] == 0)
+    rounding = BF16_ROUNDING if dtype == torch.bfloat16 else 1e-5  # each element summed in fp32, rounded once
+    torch.testing.assert_close(za.grad.double(), zb.grad.double(), atol=2e-6, rtol=rounding)
+    assert torch.all(za.grad[5:] == 0) and torch.all(zb.grad[5:] == 0)
     exact = w.double()[:, None] * (torch.nn.functional.one_hot(tokens, 300).double()
                                    - torch.softmax(z.double()[rows], -1))
-    torch.testing.assert_close(za.grad.double(), torch.zeros(7, 300, dtype=torch.double).index_add(0, rows, exact),
-                               atol=2e-6, rtol=rounding)
+    exact = torch.zeros(7, 300, dtype=torch.double).index_add(0, rows, exact)
+    for grad in (za.grad, zb.grad):
+        torch.testing.assert_close(grad.double(), exact, atol=2e-6, rtol=rounding)
+    if dtype == torch.float32:  # in bf16 the gathered rows' gradients are each rounded, then summed in bf16
+        torch.testing.assert_close(za.grad, zc.grad, atol=2e-6, rtol=1e-5)
 
 
 def test_row_token_logprobs_names_a_bad_row_or_token():
@@ -175,3 +177,5 @@ def test_row_token_logprobs_names_a_bad_row_or_token():
         row_token_logprobs(z, torch.tensor([0, 1]), torch.tensor([1, 10]))
     with pytest.raises(ValueError, match="expected"):
         row_token_logprobs(z[None], torch.tensor([0]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="chunk_size"):
+        row_token_logprobs(z, torch.tensor([0]), torch.tensor([1]), chunk_size=0)

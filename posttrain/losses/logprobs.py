@@ -144,43 +144,62 @@ def token_logprobs(logits: Tensor, tokens: Tensor, *, chunk_size: int = DEFAULT_
 
 
 class _RowTokenLogprobs(torch.autograd.Function):
-    """z[rows[j], tokens[j]] − logsumexp(z[rows[j]]) through the C kernel: each row's normaliser once, the
-    gradient of every row written in one pass (no gathered copy of the rows, no zero-filled scatter)."""
+    """z[rows[j], tokens[j]] − logsumexp(z[rows[j]]) over (K, V) logits: each row's normaliser once; the backward
+    writes every row's gradient, −(Σ g)·softmax plus each token's g, in one pass — through the C kernel, or
+    PyTorch ops chunk by chunk of rows (fp32 scratch of `chunk_size` rows). No (M, V) copy of the rows read."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, logits: Tensor, rows: Tensor, tokens: Tensor, lib) -> Tensor:
-        _, lse, _ = native_logprobs.forward(lib, logits[None], None)
-        lse = lse[0]
+    def forward(ctx: FunctionCtx, logits: Tensor, rows: Tensor, tokens: Tensor, lib, chunk_size: int) -> Tensor:
+        acc = _compute_dtype(logits.dtype)
+        if lib is not None:
+            lse = native_logprobs.forward(lib, logits[None], None)[1][0]
+        else:
+            lse = torch.empty(logits.shape[0], dtype=acc, device=logits.device)
+            for at in range(0, logits.shape[0], chunk_size):
+                lse[at : at + chunk_size] = torch.logsumexp(logits[at : at + chunk_size].to(acc), dim=-1)
         ctx.save_for_backward(logits, rows, tokens, lse)
-        ctx.lib = lib
-        return logits[rows, tokens].float() - lse[rows]
+        ctx.lib, ctx.chunk_size = lib, chunk_size
+        return logits[rows, tokens].to(acc) - lse[rows]
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         logits, rows, tokens, lse = ctx.saved_tensors
-        return native_logprobs.row_backward(ctx.lib, logits, lse, rows, tokens, grad_out), None, None, None
+        if ctx.lib is not None:
+            return native_logprobs.row_backward(ctx.lib, logits, lse, rows, tokens, grad_out), None, None, None, None
+        g = grad_out.to(lse.dtype)
+        total = torch.zeros_like(lse).index_add_(0, rows, g)       # Σ g of each row's tokens
+        order = torch.argsort(rows, stable=True)
+        bounds = torch.searchsorted(rows[order], torch.arange(0, logits.shape[0] + ctx.chunk_size, ctx.chunk_size,
+                                                              device=rows.device)).tolist()
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for i, at in enumerate(range(0, logits.shape[0], ctx.chunk_size)):
+            block = logits[at : at + ctx.chunk_size].to(lse.dtype) - lse[at : at + ctx.chunk_size, None]
+            block.exp_().mul_(-total[at : at + ctx.chunk_size, None])
+            mine = order[bounds[i] : bounds[i + 1]]                # the entries of this chunk's rows
+            block.index_put_((rows[mine] - at, tokens[mine]), g[mine], accumulate=True)
+            grad[at : at + ctx.chunk_size] = block.to(logits.dtype)
+        return grad, None, None, None, None
 
 
-def row_token_logprobs(logits: Tensor, rows: Tensor, tokens: Tensor) -> Tensor:
+def row_token_logprobs(logits: Tensor, rows: Tensor, tokens: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
     """log π(tokens[j]) under the logits of row rows[j], for logits (K, V) and rows, tokens (M,) → (M,).
 
     Several tokens may be read from one row: a prompt's last column predicts the first token of each of its
-    G completions. The same as `token_logprobs(logits[rows], tokens)`, which is the path without the C kernel;
-    with it (CPU, bf16 or fp32) no (M, V) copy of the rows is gathered and the backward writes the logits'
-    whole gradient in one pass (a row no entry reads gets 0)."""
+    G completions. The same values as `token_logprobs(logits[rows], tokens)`, without its (M, V) copy of the
+    rows and its scatter back: the backward writes the logits' whole gradient in one pass (a row no entry
+    reads gets 0), each element summed in fp32 and rounded once. CPU logits take the C kernel (departure 3)."""
     if logits.ndim != 2 or rows.shape != tokens.shape or rows.ndim != 1:
         raise ValueError(f"row_token_logprobs: logits {tuple(logits.shape)}, rows {tuple(rows.shape)} and tokens "
                          f"{tuple(tokens.shape)}; expected (K, V), (M,) and (M,)")
-    lib = native_logprobs.usable(logits[None])
-    if lib is None:
-        return token_logprobs(logits[rows], tokens)
+    if chunk_size < 1:
+        raise ValueError(f"row_token_logprobs: chunk_size must be >= 1, got {chunk_size}")
     rows = rows.long()
     if rows.numel() and (rows.min().item() < 0 or rows.max().item() >= logits.shape[0]):
         raise ValueError(f"row_token_logprobs: rows span [{rows.min().item()}, {rows.max().item()}], expected "
                          f"[0, {logits.shape[0]})")
     _check_logits_tokens("row_token_logprobs", logits[:1].expand(tokens.shape[0], -1), tokens)  # a view: ids, dtype
-    return _RowTokenLogprobs.apply(logits, rows, tokens.long(), lib)
+    return _RowTokenLogprobs.apply(logits, rows, tokens.long(), native_logprobs.usable(logits[None]), chunk_size)
 
 
 def token_logprobs_naive(logits: Tensor, tokens: Tensor) -> Tensor:
