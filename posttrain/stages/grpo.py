@@ -193,7 +193,7 @@ def completion_logprobs(model: torch.nn.Module, b: GroupBatch, *, share_prompt: 
     if share_prompt:
         return shared_prompt_logprobs(model, b.input_ids, b.attention_mask, b.position_ids, b.prompt_len, entropy=entropy)
     logits = padded_completion_logits(model, b.input_ids, b.attention_mask, b.position_ids, b.mask.shape[1])  # (R, N, V)
-    logps = token_logprobs(logits.float(), b.input_ids[:, b.prompt_len :])
+    logps = token_logprobs(logits, b.input_ids[:, b.prompt_len :])  # fp32 out; bf16 logits are read as they are
     if not entropy:
         return logps
     with torch.no_grad():
