@@ -19,7 +19,7 @@ Departures from the naive reference `token_logprobs_naive`:
 3. On a CPU, bf16 and fp32 logits go through a C kernel (`native/logprobs.py`, kernels/logprobs.c): the
    same quantities in fp32 from two reads of each position's row forward and one backward, where the
    PyTorch ops below (the reference, and the fallback without a compiler or with
-   `POSTTRAIN_C_KERNELS=0`) make a dozen passes over an fp32 copy; ~10× faster at a 49k vocabulary
+   `POSTTRAIN_C_KERNELS=0`) make a dozen passes over an fp32 copy; 4–8× faster at a 49k vocabulary
    (docs/performance.md, "The log-probs over the vocabulary"). Its e^x is a polynomial (relative
    error ~2e-7), so the two agree to fp32 round-off, not bit for bit.
 """
@@ -30,12 +30,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from posttrain.losses._masked import (
-    check_ndim,
-    check_same_shape,
-    masked_count,
-    masked_sum,
-)
+from posttrain.losses._masked import check_ndim, check_same_shape, masked_count, masked_sum
 from posttrain.native import logprobs as native_logprobs
 
 DEFAULT_CHUNK_SIZE = 1024  # positions per chunk: 1024 × 150k vocab × 4 B = 600 MB of fp32 scratch
