@@ -293,11 +293,11 @@ def shared_prompt_logprobs(model, input_ids: Tensor, attention_mask: Tensor, pos
     at_first = lay.pos == 0
     firsts = (lay.seq[at_first], lay.pos[at_first])      # (B',) each: every completion's token 0
     rest = (lay.seq[~at_first], lay.pos[~at_first])      # (M − B',) each: its other tokens, in slot-column order
-    n_rest = int(rest[0].numel())
+    n_first, n_rest = lay.first.numel(), rest[0].numel()
     rows = torch.cat([lay.first, torch.arange(groups, groups + n_rest, device=logits.device)])  # each token's row
     lp = row_token_logprobs(logits, rows, torch.cat([completions[firsts], completions[rest]]))
     out = torch.zeros(completions.shape, dtype=lp.dtype, device=logits.device)
-    out = out.index_put(firsts, lp[: lp.shape[0] - n_rest]).index_put(rest, lp[lp.shape[0] - n_rest :])
+    out = out.index_put(firsts, lp[:n_first]).index_put(rest, lp[n_first:])
     if not entropy:
         return out
     with torch.no_grad():
