@@ -77,15 +77,17 @@ def _run(recipe_path: Path, out: Path | None, resume: bool, overrides: list[str]
     said = console if ranks.is_main else Console(quiet=True)
     said.print(f"[bold]posttrain[/] {recipe_path} → {run_dir}"
                + (f" on {ranks.world_size} ranks ({ranks.backend})" if ranks.world_size > 1 else ""))
+    clean = False
     try:
         _guard(lambda: run_pipeline(recipe, run_dir, resume=resume, fresh=fresh, console=said, ranks=ranks))
+        clean = True
     except DoctorStop as stop:  # the recipe asked the doctor to stop at this severity: one line, exit 3
         _finish(run_dir)
         console.print(f"[bold red]stopped:[/] {stop} (doctor.json: `stopped`; doctor.stop_on in the recipe)",
                       highlight=False, soft_wrap=True)
         raise typer.Exit(DOCTOR_STOP_EXIT) from None
     finally:
-        ranks.close()
+        ranks.close(clean=clean)
     if ranks.is_main:  # the report is written once, by the rank that wrote the run folder
         _finish(run_dir)
 

@@ -66,6 +66,7 @@ from posttrain.distributed.weight_sync import (
     to_wire,
 )
 from posttrain.models import lora
+from posttrain.models.cpu_math import use_threads
 from posttrain.rollout import Rollout, SamplingParams, make_engine
 from posttrain.rollout.native import eos_ids_of, pad_id_of
 from posttrain.telemetry import costs
@@ -141,7 +142,7 @@ class RolloutWorker:
 
     def __init__(self, spec: ModelSpec, weights: WeightPayload, tokenizer: Any, backend: str,
                  options: dict[str, Any], threads: int, sleep_after_generate: bool):
-        torch.set_num_threads(threads)
+        use_threads(threads)  # and the vector math primed before the first forward (models/cpu_math.py)
         self.model = build_model(spec)
         self.targets = self.model.state_dict(keep_vars=True)
         apply_payload(self.targets, weights)

@@ -119,12 +119,12 @@ def evaluate_checkpoint(checkpoint: str, spec: EvalSpec, *, seed: int = 0, threa
     import torch
 
     from posttrain.models import checkpoint_folder, load_model, load_tokenizer
+    from posttrain.models.cpu_math import use_threads
     from posttrain.runtime.context import eval_key, eval_request
     from posttrain.tasks import TaskSet, build_task
     from posttrain.tasks.verified import JsonlTask
 
-    if threads:
-        torch.set_num_threads(threads)
+    use_threads(threads)  # the thread count, and the vector math primed before the first forward (models/cpu_math.py)
     folder = checkpoint_folder(checkpoint)
     tok, model = load_tokenizer(folder), load_model(folder, device=torch.device(device))
     task = (build_task(spec.task, arithmetic_eval_per_level=spec.per_level_or_default or 0) if spec.task is not None

@@ -29,6 +29,7 @@ from posttrain.distributed import World
 from posttrain.doctor import DoctorStop, LiveDoctor, Severity, load_streams, write_doctor_json
 from posttrain.doctor.diagnose import RUN_RULES
 from posttrain.models import NAMED_CHECKPOINTS, build_tiny, checkpoint_folder, count_parameters, load_model, load_tokenizer, train_tokenizer
+from posttrain.models.cpu_math import use_threads
 from posttrain.models.tiny import PRESETS
 from posttrain.rollout.engine import backend_unavailable_reason
 from posttrain.runtime.allocator import set_mmap_threshold
@@ -271,6 +272,7 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
     check_backends(recipe)
     check_data_parallel(recipe, ranks.world_size)
     seed_everything(recipe.seed)
+    use_threads(recipe.threads)  # before anything computes: a process's first parallel cos/sin is primed (models/cpu_math.py)
     tasks = make_tasks(recipe, world)
     evals_plan = eval_plan(recipe, tasks)
     if ranks.is_main:
@@ -281,8 +283,6 @@ def run_pipeline(recipe: Recipe, run_dir: Path, *, resume: bool = False, fresh: 
     if not ranks.is_main:  # rank 0 checked the folder and the inputs; a failure there ends every rank (torchrun)
         start = run_dir / "checkpoints" / BASE / FINAL
         tokenizer = load_tokenizer(start)
-    if recipe.threads:
-        torch.set_num_threads(recipe.threads)
     if recipe.mmap_threshold_mib is not None and (why := set_mmap_threshold(int(recipe.mmap_threshold_mib * 2**20),
                                                                                int(recipe.heap_keep_mib * 2**20))):
         console.print(f"[yellow]mmap_threshold_mib: not applied — {why}[/]")
