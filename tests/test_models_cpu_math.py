@@ -16,8 +16,6 @@ import torch
 
 import posttrain.models.cpu_math as cpu_math
 
-from posttrain.models.cpu_math import VML_OPS, prime
-
 # The rotary embedding's angles for 70 positions × 128 dimensions, as the resumed run's first forward had them;
 # cos is the process's first parallel op (everything before it is below PyTorch's parallel grain).
 FIRST_FORWARD = f"""
@@ -35,10 +33,10 @@ print(torch.equal(first, later), err)
 
 
 def test_every_primed_op_runs_in_its_domain():
-    prime.cache_clear()
-    prime()
+    cpu_math.prime.cache_clear()
+    cpu_math.prime()
     x = torch.full((16,), 0.5)
-    assert all(torch.isfinite(getattr(torch, op)(x)).all() for op in VML_OPS)
+    assert all(torch.isfinite(getattr(torch, op)(x)).all() for op in cpu_math.VML_OPS)
 
 
 def test_a_fresh_process_first_parallel_cos_is_exact():

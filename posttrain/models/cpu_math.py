@@ -3,16 +3,17 @@
 On an x86 CPU, PyTorch's wheel computes cos, sin, exp, log, tanh, erf and a few more over contiguous
 float32 and float64 tensors with MKL's vector math (VML), in chunks its OpenMP threads share. Measured
 with torch 2.13.0's CPU wheel (MKL 2024.2) on the 2-core machine: the first time a VML function ran split
-over two threads in a process, the second thread's share came back with errors up to 1.5e-4 in 4 of 60
-fresh processes (the rotary embedding's cos over 70 positions × 128 dimensions: the positions 35–69
-wrong, against 3.6e-8 for every later call and for every process). It was exact in 40 of 40 when the
+over two threads in a process, the second thread's share came back with errors up to 1.5e-4 in 7 of 88
+fresh processes over four probes (the rotary embedding's cos over 70 positions × 128 dimensions: the
+positions 35–69 wrong, against 3.6e-8 for every later call and for every other process). It was exact in 40 of 40 when the
 same function had run once before on one thread, and in 40 of 40 when any parallel op had started the
 OpenMP threads before; a non-VML function's first call before (log1p, one thread) left it 4 in 40. So it
 is the first call of a VML function racing the threads' start; `prime` does both.
 
-Every transformer with rotary embeddings computes cos and sin in its first forward, so a resumed run's
-first step differed in the last bits from the uninterrupted run's in about one resume in ten (a LoRA
-kill-and-resume test, tests/test_resume.py, failed in 2 of 5 full-suite runs; docs/lora.md). `use_threads`
+Every transformer with rotary embeddings computes cos and sin in its first forward, so resumes of one
+killed run differed from the uninterrupted run in 6 of 25 fresh processes, from the first resumed step's
+gradients on (the LoRA kill-and-resume test, tests/test_resume.py, failed in about one full-suite run in
+three; docs/lora.md). `use_threads`
 calls each such function once on a few elements — one thread, below PyTorch's parallel grain — before
 anything else computes; the run, `posttrain eval` and a Ray rollout worker call it where they set their
 thread count. tests/test_models_cpu_math.py checks fresh processes' first parallel cos against the
