@@ -40,11 +40,11 @@ def test_every_primed_op_runs_in_its_domain():
 
 
 def test_a_fresh_process_first_parallel_cos_is_exact():
-    def one(_):
+    def one():
         r = subprocess.run([sys.executable, "-c", FIRST_FORWARD], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         same, err = r.stdout.split()
         return same == "True", float(err)
 
-    results = [one(i) for i in range(16)]
+    results = [one() for _ in range(16)]
     assert all(same and err < 1e-6 for same, err in results), results
