@@ -280,7 +280,7 @@ def test_sft_two_ranks_equal_one_process(tmp_path):
     assert {"metrics.jsonl", "phases.jsonl", "device.json", "doctor.json", "report.html", "recipe.yaml"} <= files(two)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # 34 s; GRPO over two ranks is in the default run sharded (test_distributed_fsdp.py), replicate with SFT here
 def test_grpo_two_ranks_equal_one_process_and_resume_at_two_and_one(tmp_path):
     """GRPO's gradient is a sum of terms that cancel (advantages sum to 0 in a group) and AdamW's first
     steps are ≈ lr · sign(gradient), so its round-off shows more than SFT's: the bound is what one process

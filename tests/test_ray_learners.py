@@ -202,7 +202,7 @@ def _sft(tmp: Path, **stage) -> Path:
     return path
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # 26 s; the Ray learners are in the default run through the learner-and-rollout-worker test below
 def test_sft_through_the_ray_launcher_equals_torchrun_bitwise(tmp_path):
     """The same recipe (8 sequences in 4 micro-batches: each rank 2, summed) through `--launcher ray` and
     torchrun: the same processes' computation, so the same bits (38 of 38 tensors)."""

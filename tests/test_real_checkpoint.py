@@ -76,18 +76,18 @@ def test_converted_folder_is_a_plain_hf_model(smollm2, model, tok):
 
 
 @pytest.mark.slow
-def test_conversion_matches_the_gguf_load(tmp_path):
-    """convert_gguf's folder gives the logits of transformers' own GGUF load (the same dequantized tensors)."""
-    from posttrain.models.gguf import convert_gguf, smollm2_gguf
+def test_conversion_matches_the_gguf_load(smollm2):
+    """convert_gguf's folder (the session's, cached) gives the logits of transformers' own GGUF load (the same
+    dequantized tensors), and the conversion left no temporary folder beside it."""
+    from posttrain.models.gguf import smollm2_gguf
 
     gguf = smollm2_gguf()
-    out = convert_gguf(gguf, tmp_path / "smol")
     direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     ids = torch.tensor([[1, 9690, 198, 19556, 28, 1326, 314, 216, 34, 1232, 216, 34, 47, 2]])
     with torch.no_grad():
         assert torch.equal(direct(ids).logits, plain(ids).logits)
-    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary folder left behind
+    assert not any(p.name.startswith(".") for p in smollm2.parent.iterdir())  # no temporary folder left behind
 
 
 # --------------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ def check_run(run_dir: Path, per_level: int) -> None:
     assert "add2" in html
 
 
+@pytest.mark.heavy  # 56 s; the same recipe runs as shipped in the default run (below)
 def test_smollm2_own_data_one_step_per_stage(tmp_path, monkeypatch, smollm2, no_world):
     pairs = (ROOT / "recipes/data/smollm2/dpo.jsonl").read_text().splitlines()[:4]
     (tmp_path / "dpo4.jsonl").write_text("\n".join(pairs) + "\n")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from torch import nn
+from torch import Tensor, nn
 
 
 @functools.cache
@@ -36,3 +36,8 @@ def install(model: nn.Module, *, marker: str, forward: Callable, candidate: Call
             module.__class__ = fused_class(cls, forward, marker)
             switched += 1
     return switched
+
+
+def weight_grad(a: Tensor, b: Tensor) -> Tensor:
+    """aᵀ·b over every leading dim flattened: (…, M), (…, N) → (M, N) — a linear's weight gradient."""
+    return a.reshape(-1, a.shape[-1]).t().mm(b.reshape(-1, b.shape[-1]))

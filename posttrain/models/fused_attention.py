@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from posttrain.models import _fused
+from posttrain.models import _fused, weight_copies
 from posttrain.native import rope
 
 
@@ -138,20 +138,29 @@ def _forward(self: nn.Module, hidden_states: Tensor, position_embeddings: tuple[
     kwargs.pop("past_key_values", None)
     input_shape = hidden_states.shape[:-1]
     cos, sin = position_embeddings
-    query = rotary(self.q_proj(hidden_states), cos, sin, self.head_dim)
-    key = rotary(self.k_proj(hidden_states), cos, sin, self.head_dim)
-    value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+    # each projection reads its weight's bf16 copy where the optimizer keeps a current one (models/weight_copies.py)
+    query = rotary(weight_copies.linear(self.q_proj, hidden_states), cos, sin, self.head_dim)
+    key = rotary(weight_copies.linear(self.k_proj, hidden_states), cos, sin, self.head_dim)
+    value = weight_copies.linear(self.v_proj, hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager(self))
     out, weights = attention(self, query, key, value, attention_mask,
                              dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
-    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+    return weight_copies.linear(self.o_proj, out.reshape(*input_shape, -1).contiguous()), weights
 
 
 def install(model: nn.Module) -> int:
     """Route every attention of `model` whose class `_forward` reproduces through it (each module's own forward
-    otherwise). Idempotent. Returns how many modules were switched."""
-    return _fused.install(model, marker="_fused_attention", forward=_forward, candidate=_candidate,
-                          reproduces=_reproduces)
+    otherwise). Idempotent. Returns how many modules were switched. Their projections' weights are marked for bf16
+    copies (`weight_copies.want`), which the forward reads instead of casting where the optimizer keeps them."""
+    switched = _fused.install(model, marker="_fused_attention", forward=_forward, candidate=_candidate,
+                              reproduces=_reproduces)
+    for module in model.modules():
+        if is_fused(module):
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                projection = getattr(module, name)
+                if type(projection) is nn.Linear:
+                    weight_copies.want(projection.weight)
+    return switched
 
 
 def is_fused(module: nn.Module) -> bool:

@@ -37,13 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posttrain.models import _fused
+from posttrain.models import _fused, weight_copies
 from posttrain.native import swiglu
-
-
-def _mm2(a: Tensor, b: Tensor) -> Tensor:
-    """aᵀ·b over every leading dim flattened: (…, M), (…, N) → (M, N) — a linear's weight gradient."""
-    return a.reshape(-1, a.shape[-1]).t().mm(b.reshape(-1, b.shape[-1]))
 
 
 def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -68,7 +63,8 @@ class _GatedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, dtype: torch.dtype) -> Tensor:
-        xc, wg, wu, wd = (t.to(dtype) for t in (x, w_gate, w_up, w_down))
+        xc = x.to(dtype)
+        wg, wu, wd = (weight_copies.cast(w, dtype) for w in (w_gate, w_up, w_down))  # the optimizer's copies, if current
         gate, up = F.linear(xc, wg), F.linear(xc, wu)
         y = F.linear(_silu_mul(gate, up), wd)
         ctx.save_for_backward(xc, gate, up, wg, wu, wd)
@@ -82,14 +78,14 @@ class _GatedMLP(torch.autograd.Function):
         need_x, need_g, need_u, need_d = ctx.needs_input_grad[:4]
         grad = grad.to(xc.dtype)
         if not (need_x or need_g or need_u):
-            return None, None, None, _mm2(grad, _silu_mul(gate, up)).to(d_dtype) if need_d else None, None
+            return None, None, None, _fused.weight_grad(grad, _silu_mul(gate, up)).to(d_dtype) if need_d else None, None
         prod, grad_gate, grad_up = _silu_mul_backward(gate, up, grad.matmul(wd), product=need_d)
-        grad_d = _mm2(grad, prod).to(d_dtype) if need_d else None
+        grad_d = _fused.weight_grad(grad, prod).to(d_dtype) if need_d else None
         del prod  # intermediate-width; not held through the input's gradient
         grad_x = grad_gate.matmul(wg) + grad_up.matmul(wu) if need_x else None
         return (grad_x.to(x_dtype) if grad_x is not None else None,
-                _mm2(grad_gate, xc).to(g_dtype) if need_g else None,
-                _mm2(grad_up, xc).to(u_dtype) if need_u else None,
+                _fused.weight_grad(grad_gate, xc).to(g_dtype) if need_g else None,
+                _fused.weight_grad(grad_up, xc).to(u_dtype) if need_u else None,
                 grad_d, None)
 
 
@@ -159,8 +155,14 @@ def _forward(self: nn.Module, x: Tensor) -> Tensor:
 
 def install(model: nn.Module) -> int:
     """Route every gated MLP of `model` that `_GatedMLP` reproduces through it (each module's own forward otherwise).
-    Idempotent. Returns how many modules were switched."""
-    return _fused.install(model, marker="_fused_mlp", forward=_forward, candidate=_candidate, reproduces=_reproduces)
+    Idempotent. Returns how many modules were switched. Their projections' weights are marked for bf16 copies
+    (`weight_copies.want`): the optimizer keeps one of each beside it, which the forward reads instead of casting."""
+    switched = _fused.install(model, marker="_fused_mlp", forward=_forward, candidate=_candidate, reproduces=_reproduces)
+    for module in model.modules():
+        if is_fused(module):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                weight_copies.want(getattr(module, name).weight)
+    return switched
 
 
 def is_fused(module: nn.Module) -> bool:

@@ -96,7 +96,7 @@ class OptimConfig(Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
-    fused: bool | None = Field(None, description="AdamW's fused kernel (true), the single-tensor loop (false), or by model size (null: fused from 10M parameters)")
+    fused: bool | None = Field(None, description="AdamW's fused kernel (true: PyTorch's numbers, on a CPU through posttrain's C step, which also writes the bf16 weight copies a bf16 forward reads), the single-tensor loop (false), or by model size (null: fused from 10M parameters)")
     max_nonfinite_skips: int = Field(3, ge=1, description="optimizer steps in a row skipped for a NaN/inf loss or gradient norm before the stage stops")
 
 

@@ -51,6 +51,7 @@ from posttrain.runtime.checkpoint import (
 )
 from posttrain.runtime.config import OptimConfig, TrainStage
 from posttrain.runtime.context import RunContext
+from posttrain.stages._adamw import AdamW
 
 
 # AdamW's fused kernel takes 26 ms a step on tiny-30m (2 CPU threads) where the single-tensor loop takes
@@ -69,9 +70,9 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Ada
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = cfg.fused if cfg.fused is not None else sum(p.numel() for p in params) >= FUSED_MIN_PARAMETERS
-    if fused:
+    if fused:  # PyTorch's fused kernel, through ours on a CPU (bit-identical; stages/_adamw.py)
         try:
-            return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
+            return AdamW(groups, lr=cfg.lr, betas=cfg.betas)
         except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
             pass
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=False)
@@ -404,7 +405,8 @@ def guarded_update(t: Trainer, cfg: OptimConfig, losses: dict[str, float], *, st
     gets one line, and `cfg.max_nonfinite_skips` skips in a row raise NonFiniteError. The clip is
     `clip_grad_norm_`'s — gradients × min(1, limit / (norm + 1e-6)) — except that a factor of exactly 1
     (every norm up to ~1e-6 below the limit) skips the multiply, a pass over all gradients that would
-    leave them bitwise as they are. Returns the pre-clip gradient norm (a device sync point)."""
+    leave them bitwise as they are; where the step runs our AdamW kernel (stages/_adamw.py) the multiply is
+    inside the step's one pass, the same products. Returns the pre-clip gradient norm (a device sync point)."""
     params = [p for p in t.model.parameters() if p.grad is not None]
     grad_norm = gradient_norm([p.grad for p in params])  # sharded: reduced over the ranks (a sync point)
     norm = float(grad_norm)                                                # device sync point
@@ -412,9 +414,12 @@ def guarded_update(t: Trainer, cfg: OptimConfig, losses: dict[str, float], *, st
     t.guard.record(reason)
     if reason is None:
         coef = cfg.grad_clip / (grad_norm + 1e-6)                          # as torch computes it
-        if not bool(coef >= 1.0):
-            torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)  # scales each p.grad
-        t.optimizer.step()
+        if isinstance(t.optimizer, AdamW) and t.optimizer.kernel_ready():  # the clip's multiply in the step's pass
+            t.optimizer.step(coef=float(torch.clamp(coef, max=1.0)))
+        else:
+            if not bool(coef >= 1.0):
+                torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)  # scales each p.grad
+            t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
     if reason is not None:
         g = t.guard

@@ -1,0 +1,123 @@
+"""The weights' bf16 copies (models/weight_copies.py) and the AdamW step in C (native/adamw.py), measured.
+
+    python benchmarks/weight_copies.py --threads 1 --steps 30     # in the GRPO stage, the two arms alternating
+    python benchmarks/weight_copies.py --kernel --threads 1        # the optimizer step alone, against PyTorch's
+
+Default: our `grpo` stage on tiny-30m, `benchmarks/_vs_trl_grpo.py`'s shape (2 prompts × G 8, ≤ 32 tokens, bf16,
+the fused AdamW), one process, the arms switched at every optimizer step: "copies" — the step writes the bf16
+copies and the next update's forward reads them — and "casts" — the same C step without the copies, which are
+dropped, so the next forward casts every weight as autocast does. Each update is split into its optimizer step
+(timed around `AdamW.step`) and the rest (forward, backward, the gradient norm: the stage's `update` phase less
+the step), credited to the arm that wrote (or did not write) the copies that forward read. Medians over the steps
+from the third; the first two are warm-up.
+
+`--kernel`: one AdamW step over tiny-30m-sized fp32 tensors (80 tensors, 36.7M parameters), PyTorch's fused
+kernel against ours without and with the copy, and the bf16 casts of the same weights, alternating, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def kernel(reps: int) -> None:
+    from posttrain.native import adamw
+
+    lib = adamw.library()
+    if lib is None:
+        raise SystemExit("no C compiler: the kernel cannot be built")
+    shapes = [(1408, 512)] * 30 + [(512, 1408)] * 10 + [(512, 512)] * 20 + [(256, 512)] * 20
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    theirs = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    state = [(torch.zeros(s), torch.zeros(s), torch.empty(s, dtype=torch.bfloat16)) for s in shapes]
+
+    def ours(copy: bool) -> None:
+        for p, (m, v, c) in zip(params, state, strict=True):
+            adamw.step(lib, p.data, p.grad, m, v, c if copy else None, lr=1e-5, betas=(0.9, 0.999), eps=1e-8,
+                       weight_decay=0.0, step=3)
+
+    arms = {"PyTorch's fused AdamW": theirs.step, "ours, no copy": lambda: ours(False),
+            "ours, writing the bf16 copy": lambda: ours(True),
+            "the casts fp32 -> bf16 it replaces": lambda: [p.detach().to(torch.bfloat16) for p in params]}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for _ in range(reps):
+        for name, fn in arms.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    print(f"{sum(p.numel() for p in params) / 1e6:.1f}M fp32 parameters in {len(params)} tensors, "
+          f"{torch.get_num_threads()} thread(s), median of {reps}:")
+    for name, ts in times.items():
+        print(f"  {name:38s} {statistics.median(ts) * 1e3:7.1f} ms")
+
+
+def stage(steps: int, threads: int) -> None:
+    import _vs_trl_grpo as g
+
+    from posttrain.models import weight_copies
+    from posttrain.stages import _adamw
+
+    n, optimizer_s, update_s = [0], {}, []
+    wanted, real_step = weight_copies.wanted, _adamw.AdamW.step
+
+    def step(self, closure=None, *, coef=1.0):
+        k = n[0]
+        n[0] += 1
+        copies = k % 2 == 0
+        if not copies:
+            weight_copies.wanted = lambda w: False
+        t = time.perf_counter()
+        try:
+            out = real_step(self, closure, coef=coef)
+        finally:
+            optimizer_s[k] = time.perf_counter() - t
+            weight_copies.wanted = wanted
+        if not copies:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    weight_copies.drop(p)
+        return out
+
+    _adamw.AdamW.step = step
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir, data = g.prepare(Path(folder), max_seq_len=160)
+        g.run_ours(model_dir, data, steps, threads, bf16=True, on_step=lambda r: update_s.append(r["phase/update/seconds"]))
+    rest: dict[bool, list[float]] = {True: [], False: []}
+    opt: dict[bool, list[float]] = {True: [], False: []}
+    for k in range(2, len(update_s)):
+        rest[(k - 1) % 2 == 0].append(update_s[k] - optimizer_s[k])  # this forward read what step k-1 wrote
+        opt[k % 2 == 0].append(optimizer_s[k])
+    print(f"tiny-30m GRPO @ 32 tokens, bf16, {threads} thread(s), update split, medians of {len(rest[True])} / "
+          f"{len(rest[False])} updates (ms):")
+    for copies, label in ((True, "copies"), (False, "casts")):
+        f, o = statistics.median(rest[copies]), statistics.median(opt[copies])
+        print(f"  {label:7s} forward + backward + norm {f * 1e3:6.1f}   optimizer step {o * 1e3:5.1f}   sum {(f + o) * 1e3:6.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--kernel", action="store_true", help="the optimizer step alone, against PyTorch's")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    if a.kernel:
+        kernel(a.reps)
+    else:
+        stage(a.steps, a.threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""bf16 copies of trainable fp32 weights, written by the optimizer as it updates them and read by the training
+forward under autocast where it would cast each weight again.
+
+Under bf16 autocast over fp32 weights every training forward casts every linear weight to bf16 — a read of 4 and
+a write of 2 bytes a parameter, from memory, each forward — and the copy it makes equals the one before as long
+as the weight has not changed. The optimizer is what changes it: `native/adamw.py`'s step writes bf16(p) in the
+same pass that updates p (2 bytes a parameter where the cast moved 6), and `store` keeps it beside the weight.
+The fused MLP (`fused_mlp._GatedMLP`) and the fused attention's projections (`linear`) then take the copy
+instead of casting: bf16(p) either way, so the forward is bit-identical.
+
+A copy is used only while it is the weight's: it is kept with the weight's version counter and storage address
+at the time it was written, and any in-place change through PyTorch (`copy_`, `load_state_dict`, an optimizer
+other than ours) moves the version, a `.data` swap the address — the forward then casts as before. The kernel
+writes the weight through its pointer, as PyTorch's fused optimizers do, so its own step moves neither.
+
+`want(weight)` marks a weight whose copy a fused forward reads (`fused_mlp.install`, `fused_attention.install`);
+the optimizer writes copies of the marked weights only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from posttrain.models import _fused
+
+_WANT, _COPY = "_posttrain_copy_wanted", "_posttrain_copy"
+
+
+def want(weight: Tensor) -> None:
+    """Mark `weight` as read by a fused training forward (its copy saves that forward's cast)."""
+    setattr(weight, _WANT, True)
+
+
+def wanted(weight: Tensor) -> bool:
+    return getattr(weight, _WANT, False)
+
+
+def store(weight: Tensor, copy: Tensor) -> None:
+    """Keep `copy` (what `weight` is now, in another dtype) as its copy, until the weight changes."""
+    setattr(weight, _COPY, (copy, weight._version, weight.data_ptr()))
+
+
+def drop(weight: Tensor) -> None:
+    """Forget `weight`'s copy (its writer is changing the weight without writing the copy)."""
+    if hasattr(weight, _COPY):
+        delattr(weight, _COPY)
+
+
+def held(weight: Tensor) -> Tensor | None:
+    """The copy kept for `weight` (current or not), for the optimizer to write into again; None if none."""
+    entry = getattr(weight, _COPY, None)
+    return entry[0] if entry is not None else None
+
+
+def fresh(weight: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """`weight`'s copy in `dtype` if one is kept and the weight has not changed since it was written; else None."""
+    entry = getattr(weight, _COPY, None)
+    if entry is None:
+        return None
+    copy, version, address = entry
+    if copy.dtype != dtype or weight._version != version or weight.data_ptr() != address:
+        return None
+    return copy
+
+
+def cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """`weight.to(dtype)`, from its copy where a current one is kept."""
+    copy = fresh(weight, dtype)
+    return copy if copy is not None else weight.to(dtype)
+
+
+class _Linear(torch.autograd.Function):
+    """y = x·Wᵀ in `weight16`'s dtype (the weight's copy, or its cast), the weight's gradient cast back to the
+    weight's dtype, as autocast's cast node does: the same casts and matmuls as autocast's own linear, bit for bit
+    (tests/test_models_weight_copies.py). One node whether the copy or a cast is read, so a run resumed without
+    copies continues as it would have with them."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, weight16: Tensor) -> Tensor:
+        xc = x.to(weight16.dtype)
+        ctx.save_for_backward(xc, weight16)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return F.linear(xc, weight16)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        xc, weight16 = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        grad = grad.to(weight16.dtype)
+        grad_x = grad.matmul(weight16).to(x_dtype) if ctx.needs_input_grad[0] else None
+        grad_w = _fused.weight_grad(grad, xc).to(w_dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+def linear(module: nn.Module, x: Tensor) -> Tensor:
+    """`module(x)`; where `module` is a plain bias-free `nn.Linear` without hooks, under autocast with autograd on, as
+    one node that reads the weight's current copy in autocast's dtype, or casts it where there is none."""
+    if (type(module) is nn.Linear and module.bias is None and not (module._forward_hooks or module._forward_pre_hooks)
+            and torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type)):
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device)
+        weight16 = fresh(module.weight, dtype)
+        if weight16 is None:
+            weight16 = module.weight.detach().to(dtype)
+        with torch.autocast(device, enabled=False):
+            return _Linear.apply(x, module.weight, weight16)
+    return module(x)
