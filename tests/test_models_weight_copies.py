@@ -30,7 +30,7 @@ def _forward_backward(model, ids):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(input_ids=ids, use_cache=False).logits
     logits.float().logsumexp(-1).sum().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def test_the_fused_modules_mark_their_projections():
@@ -108,3 +108,33 @@ def test_outside_autocast_or_autograd_the_module_runs_itself():
         assert torch.count_nonzero(weight_copies.linear(m, x)) == 0  # the copy is read
         weight_copies.drop(m.weight)
         assert torch.equal(weight_copies.linear(m, x), m(x))  # or the weight cast, as autocast casts it
+
+
+def test_a_lora_runs_frozen_weights_keep_their_first_cast(policy_dir):
+    """LoRA (q and v adapted): the base weights under the adapters and the layers left alone are frozen, so the first
+    training forward's casts are kept and the second reads them — logits and gradients bit-identical to casting
+    again; a weight set to train, or loaded, is cast again."""
+    from posttrain.models import load_model, lora
+
+    torch.manual_seed(0)
+    model = lora.wrap(load_model(policy_dir, autocast_dtype=torch.bfloat16),
+                      r=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj"], base=policy_dir)
+    with torch.no_grad():
+        for p in lora.adapter_parameters(model).values():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(0))
+    first = _forward_backward(model, ids)
+    kept = {n: p for n, p in model.named_parameters() if weight_copies.fresh(p, torch.bfloat16) is not None}
+    layers = model.config.num_hidden_layers
+    assert len(kept) == 7 * layers and not any(p.requires_grad for p in kept.values())  # every frozen projection
+    second = _forward_backward(model, ids)  # reads the kept casts
+    assert torch.equal(first[0], second[0])
+    assert all(torch.equal(first[1][n], second[1][n]) for n in first[1])
+    name, weight = next(iter(kept.items()))
+    weight.requires_grad_(True)
+    assert weight_copies.fresh(weight, torch.bfloat16) is None, name
+    weight.requires_grad_(False)
+    other = next(p for n, p in kept.items() if n != name)
+    with torch.no_grad():
+        other.copy_(other + 1)
+    assert weight_copies.fresh(other, torch.bfloat16) is None

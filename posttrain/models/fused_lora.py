@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from posttrain.models import _fused
+from posttrain.models import _fused, weight_copies
 
 _MARKER = "_fused_lora"
 
@@ -39,7 +39,8 @@ class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, scaling: float,
                 dtype: torch.dtype) -> Tensor:
-        xc, wc, ac, bc = (t.to(dtype) for t in (x, weight, a, b))
+        xc, ac, bc = (t.to(dtype) for t in (x, a, b))
+        wc = weight_copies.cast(weight, dtype)  # the frozen base: its cast kept from the first forward
         flat = xc.reshape(-1, xc.shape[-1])
         y = torch.nn.functional.linear(flat, wc, None if bias is None else bias.to(dtype))
         h = flat.mm(ac.t())                                  # (N, r)

@@ -14,7 +14,11 @@ other than ours) moves the version, a `.data` swap the address — the forward t
 writes the weight through its pointer, as PyTorch's fused optimizers do, so its own step moves neither.
 
 `want(weight)` marks a weight whose copy a fused forward reads (`fused_mlp.install`, `fused_attention.install`);
-the optimizer writes copies of the marked weights only.
+the optimizer writes copies of the marked weights only. A frozen weight (`requires_grad` off: LoRA's base, the
+layers a LoRA run leaves alone) has no optimizer to write its copy: the first forward's cast is kept as it
+(`cast`), valid while the weight stays frozen and unchanged. PEFT's own merge writes the base through `.data`,
+which moves no version counter: posttrain merges only copies of a model (export) or before any forward (a chain's
+adapters at load), never a model being trained.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ def wanted(weight: Tensor) -> bool:
     return getattr(weight, _WANT, False)
 
 
-def store(weight: Tensor, copy: Tensor) -> None:
-    """Keep `copy` (what `weight` is now, in another dtype) as its copy, until the weight changes."""
-    setattr(weight, _COPY, (copy, weight._version, weight.data_ptr()))
+def store(weight: Tensor, copy: Tensor, *, frozen: bool = False) -> None:
+    """Keep `copy` (what `weight` is now, in another dtype) as its copy, until the weight changes — or, `frozen`
+    (kept by a forward's cast, not written by the optimizer), until it is set to train."""
+    setattr(weight, _COPY, (copy, weight._version, weight.data_ptr(), frozen))
 
 
 def drop(weight: Tensor) -> None:
@@ -59,16 +64,23 @@ def fresh(weight: Tensor, dtype: torch.dtype) -> Tensor | None:
     entry = getattr(weight, _COPY, None)
     if entry is None:
         return None
-    copy, version, address = entry
-    if copy.dtype != dtype or weight._version != version or weight.data_ptr() != address:
+    copy, version, address, frozen = entry
+    if (copy.dtype != dtype or weight._version != version or weight.data_ptr() != address
+            or (frozen and weight.requires_grad)):
         return None
     return copy
 
 
 def cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """`weight.to(dtype)`, from its copy where a current one is kept."""
+    """`weight.to(dtype)` (detached), from its copy where a current one is kept; a frozen weight's cast is kept as its
+    copy (LoRA's base, the layers a LoRA run does not adapt: nothing but a load changes them)."""
     copy = fresh(weight, dtype)
-    return copy if copy is not None else weight.to(dtype)
+    if copy is not None:
+        return copy
+    copy = weight.detach().to(dtype)
+    if not weight.requires_grad and dtype != weight.dtype:
+        store(weight, copy, frozen=True)
+    return copy
 
 
 class _Linear(torch.autograd.Function):
@@ -100,10 +112,7 @@ def linear(module: nn.Module, x: Tensor) -> Tensor:
     if (type(module) is nn.Linear and module.bias is None and not (module._forward_hooks or module._forward_pre_hooks)
             and torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type)):
         device = x.device.type
-        dtype = torch.get_autocast_dtype(device)
-        weight16 = fresh(module.weight, dtype)
-        if weight16 is None:
-            weight16 = module.weight.detach().to(dtype)
+        weight16 = cast(module.weight, torch.get_autocast_dtype(device))
         with torch.autocast(device, enabled=False):
             return _Linear.apply(x, module.weight, weight16)
     return module(x)
