@@ -1,7 +1,7 @@
 """AdamW's step over fp32 parameters in one pass (kernels/adamw.c): PyTorch's fused CPU AdamW, bit for bit, with
 the gradient's clip factor folded in and the parameter's bf16 copy written as it is updated.
 
-`stages/_training.AdamW` calls it for every fp32, contiguous CPU parameter where the library is there; PyTorch's
+`stages/_adamw.AdamW` calls it for every fp32, contiguous CPU parameter where the library is there; PyTorch's
 own `torch.optim.AdamW` step (fused) is the reference and the fallback (tests/test_native_adamw.py).
 """
 

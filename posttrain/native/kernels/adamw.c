@@ -5,9 +5,9 @@
  *
  * The arithmetic is PyTorch's own fused CPU AdamW (`torch.optim.AdamW(fused=True)`, aten's FusedAdamKernel),
  * operation for operation and rounding for rounding in its 16-wide loop, so the parameters and moments it writes
- * are bit-identical to that kernel's (tests/test_native_adamw.py) — over whole blocks of 16 elements: a tensor's
- * last n % 16, which PyTorch steps in a scalar loop of its own rounding, the caller steps with PyTorch's kernel — with the gradient first multiplied by `coef` as
- * `clip_grads_with_norm_` multiplies it (a factor of 1 leaves it as it is):
+ * are bit-identical to that kernel's (tests/test_native_adamw.py). It takes whole blocks of 16 elements: a
+ * tensor's last n % 16, which PyTorch steps in a scalar loop of its own rounding, the caller steps with PyTorch's
+ * kernel. The gradient is first multiplied by `coef` as `clip_grads_with_norm_` multiplies it (1: as it is):
  *   g  = grad * coef
  *   p  = p * (1 - lr * wd)                                    where wd != 0
  *   m  = lerp(m, g, 1 - beta1)                               PyTorch's lerp: fma(w, g - m, m) for w < 0.5
