@@ -17,8 +17,8 @@ writes the weight through its pointer, as PyTorch's fused optimizers do, so its 
 the optimizer writes copies of the marked weights only. A frozen weight (`requires_grad` off: LoRA's base, the
 layers a LoRA run leaves alone) has no optimizer to write its copy: the first forward's cast is kept as it
 (`cast`), valid while the weight stays frozen and unchanged. PEFT's own merge writes the base through `.data`,
-which moves no version counter: posttrain merges only copies of a model (export) or before any forward (a chain's
-adapters at load), never a model being trained.
+which moves no version counter: merges here happen only on a copy of a model (export) or before any forward (a
+chain's adapters at load), never on a model being trained.
 """
 
 from __future__ import annotations
