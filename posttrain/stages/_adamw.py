@@ -26,7 +26,7 @@ class AdamW(torch.optim.AdamW):
 
     def kernel_ready(self) -> bool:
         """Whether the next step runs the C kernel: the library is there and takes every parameter with a gradient."""
-        return adamw.library() is not None and self._kernel_takes_all()
+        return self._kernel_takes_all() and adamw.library() is not None  # no build where no parameter is the kernel's
 
     def _kernel_takes_all(self) -> bool:
         for group in self.param_groups:
