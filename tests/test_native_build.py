@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posttrain import native
-from posttrain.native import logprobs, rmsnorm, rope, softmax, swiglu
+from posttrain.native import logprobs, rmsnorm, rope, softmax, swiglu, widen
 
 
 def _softmax_args():
@@ -24,6 +24,7 @@ LIBRARIES = {  # module: (what the warning names, arguments its `usable` takes w
     rope: ("rotary embedding", lambda: (torch.zeros(1, 3, 8, dtype=torch.bfloat16), torch.ones(1, 3, 4),
                                         torch.zeros(1, 3, 4), 4)),
     logprobs: ("log-prob", lambda: (torch.zeros(1, 2, 5),)),
+    widen: ("bf16-to-fp32 widening", lambda: (torch.zeros(widen.MIN_ELEMENTS, dtype=torch.bfloat16), torch.float32)),
 }
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
+
+from posttrain.native import widen
 
 
 @functools.cache
@@ -38,6 +41,9 @@ def install(model: nn.Module, *, marker: str, forward: Callable, candidate: Call
     return switched
 
 
-def weight_grad(a: Tensor, b: Tensor) -> Tensor:
-    """aᵀ·b over every leading dim flattened: (…, M), (…, N) → (M, N) — a linear's weight gradient."""
-    return a.reshape(-1, a.shape[-1]).t().mm(b.reshape(-1, b.shape[-1]))
+def weight_grad(a: Tensor, b: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """aᵀ·b over every leading dim flattened: (…, M), (…, N) → (M, N) — a linear's weight gradient, in `dtype` (the
+    parameter's; None: the inputs'). A bf16 product for an fp32 parameter is widened by `native.widen` (exact:
+    `Tensor.to`'s bits, written in one streamed pass)."""
+    grad = a.reshape(-1, a.shape[-1]).t().mm(b.reshape(-1, b.shape[-1]))
+    return grad if dtype is None or dtype == grad.dtype else widen.to(grad, dtype)

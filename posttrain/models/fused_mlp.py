@@ -78,14 +78,14 @@ class _GatedMLP(torch.autograd.Function):
         need_x, need_g, need_u, need_d = ctx.needs_input_grad[:4]
         grad = grad.to(xc.dtype)
         if not (need_x or need_g or need_u):
-            return None, None, None, _fused.weight_grad(grad, _silu_mul(gate, up)).to(d_dtype) if need_d else None, None
+            return None, None, None, _fused.weight_grad(grad, _silu_mul(gate, up), d_dtype) if need_d else None, None
         prod, grad_gate, grad_up = _silu_mul_backward(gate, up, grad.matmul(wd), product=need_d)
-        grad_d = _fused.weight_grad(grad, prod).to(d_dtype) if need_d else None
+        grad_d = _fused.weight_grad(grad, prod, d_dtype) if need_d else None
         del prod  # intermediate-width; not held through the input's gradient
         grad_x = grad_gate.matmul(wg) + grad_up.matmul(wu) if need_x else None
         return (grad_x.to(x_dtype) if grad_x is not None else None,
-                _fused.weight_grad(grad_gate, xc).to(g_dtype) if need_g else None,
-                _fused.weight_grad(grad_up, xc).to(u_dtype) if need_u else None,
+                _fused.weight_grad(grad_gate, xc, g_dtype) if need_g else None,
+                _fused.weight_grad(grad_up, xc, u_dtype) if need_u else None,
                 grad_d, None)
 
 

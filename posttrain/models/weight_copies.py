@@ -102,7 +102,7 @@ class _Linear(torch.autograd.Function):
         x_dtype, w_dtype = ctx.dtypes
         grad = grad.to(weight16.dtype)
         grad_x = grad.matmul(weight16).to(x_dtype) if ctx.needs_input_grad[0] else None
-        grad_w = _fused.weight_grad(grad, xc).to(w_dtype) if ctx.needs_input_grad[1] else None
+        grad_w = _fused.weight_grad(grad, xc, w_dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
 
 

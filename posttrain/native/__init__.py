@@ -11,8 +11,12 @@ with a warning that says why, once per library and process. The libraries:
 - `rmsnorm` (kernels/rmsnorm.c, `native/rmsnorm.py`): the fused RMSNorm's backward (`models/fused_norm.py`);
 - `rope` (kernels/rope.c, `native/rope.py`): the rotary embedding, forward and backward (`models/fused_attention.py`);
 - `logprobs` (kernels/logprobs.c, `native/logprobs.py`): token log-probs, entropies and the log-probs' gradient
-  over the vocabulary (`losses/logprobs.py`).
-The last five are `Library` objects: built and loaded on first use, once per build kind.
+  over the vocabulary (`losses/logprobs.py`);
+- `adamw` (kernels/adamw.c, `native/adamw.py`): AdamW's step over fp32 parameters, writing their bf16 copies
+  (`stages/_adamw.py`);
+- `widen` (kernels/widen.c, `native/widen.py`): a bf16 weight gradient widened to its fp32 parameter's dtype
+  (`models/_fused.weight_grad`).
+The last seven are `Library` objects: built and loaded on first use, once per build kind.
 
 A source is built as one translation unit behind `kernels/common.h` (bf16 casts, exp, the AVX-512
 loads and stores) with the system C compiler (`$CC`, else `cc`, else `gcc`): `-O3 -march=native
