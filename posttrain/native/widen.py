@@ -2,8 +2,8 @@
 dtype.
 
 Under bf16 autocast over fp32 weights a linear's weight gradient comes out of a bf16 matmul and is cast to fp32
-for the parameter (`models/_fused.weight_grad`, which the fused MLP, the attention's projections and the
-weight-copies node call). The cast is exact, so the kernel writes `Tensor.to(torch.float32)`'s bits; it writes
+for the parameter (`models/_fused.weight_grad`, which the fused MLP and the attention's projections' node,
+`weight_copies._Linear`, call). The cast is exact, so the kernel writes `Tensor.to(torch.float32)`'s bits; it writes
 them with streaming stores (no read of the destination first), which is what the pass costs: ~10 against ~18 ms
 for tiny-30m's linear weights on one core of the AMX Xeon. `Tensor.to` is the reference and the fallback
 (tests/test_native_widen.py).
