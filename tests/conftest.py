@@ -25,6 +25,17 @@ def private_cache_dir(tmp_path_factory):
         os.environ[ENV_CACHE_DIR] = before
 
 
+@pytest.fixture(params=[False, True], ids=["native", "generic"])
+def lib(request):
+    """The C library of the test module's `KERNEL` (a `posttrain.native` module), in each build: the vector code where
+    the CPU has it, and the plain-C loops (`generic`). Skipped where it cannot be built: the PyTorch path runs instead
+    (tests/test_native_build.py)."""
+    got = request.module.KERNEL.library(generic=request.param)
+    if got is None:
+        pytest.skip("no C compiler: the PyTorch path runs instead (tests/test_native_build.py)")
+    return got
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): on a

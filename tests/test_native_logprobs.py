@@ -16,12 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BF16_ROUNDING = 2 ** -8
 
 
-@pytest.fixture(params=[False, True], ids=["native", "generic"])
-def lib(request):
-    got = kernel.library(generic=request.param)
-    if got is None:
-        pytest.skip("no C compiler: the PyTorch ops run instead (tests/test_native_build.py)")
-    return got
+KERNEL = kernel  # the `lib` fixture (conftest.py) builds its library both ways
 
 
 def _case(dtype, vocab, seed=0, rows=3, cols=5):

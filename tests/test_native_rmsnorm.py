@@ -15,12 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FP32 = 1e-6  # relative, over a whole tensor
 
 
-@pytest.fixture(params=[False, True], ids=["native", "generic"])
-def lib(request):
-    got = rmsnorm.library(generic=request.param)
-    if got is None:
-        pytest.skip("no C compiler: the PyTorch ops run instead (tests/test_native_build.py)")
-    return got
+KERNEL = rmsnorm  # the `lib` fixture (conftest.py) builds its library both ways
 
 
 def _case(rows=(3, 37), d=83, grad_dtype=torch.bfloat16, seed=0):  # 83: not a multiple of a vector width

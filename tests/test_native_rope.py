@@ -4,7 +4,6 @@ backward float64's rounded once to bf16; the inputs it refuses; the fallback whe
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -15,12 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BF16_ROUNDING = 2 ** -8
 
 
-@pytest.fixture(params=[False, True], ids=["native", "generic"])
-def lib(request):
-    got = rope.library(generic=request.param)
-    if got is None:
-        pytest.skip("no C compiler: the PyTorch ops run instead (tests/test_native_build.py)")
-    return got
+KERNEL = rope  # the `lib` fixture (conftest.py) builds its library both ways
 
 
 def _case(batch=2, tokens=37, heads=3, d=64, angle_batch=None, seed=0):

@@ -5,7 +5,6 @@ the PyTorch ops within one bf16 rounding, its per-query key counts the same mask
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -17,12 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BF16_ROUNDING = 2 ** -8  # one rounding to bf16: relative error at most 2^-9, two of them 2^-8
 
 
-@pytest.fixture(params=[False, True], ids=["native", "generic"])
-def lib(request):
-    got = softmax_kernel.library(generic=request.param)
-    if got is None:
-        pytest.skip("no C compiler: the PyTorch ops run instead (tests/test_native_build.py)")
-    return got
+KERNEL = softmax_kernel  # the `lib` fixture (conftest.py) builds its library both ways
 
 
 def _case(m=3, h=4, length=7, keys=37, seed=0):

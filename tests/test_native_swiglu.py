@@ -5,7 +5,6 @@ round-off, the PyTorch ops where it is off."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,12 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BF16_ROUNDING = 2 ** -8
 
 
-@pytest.fixture(params=[False, True], ids=["native", "generic"])
-def lib(request):
-    got = swiglu.library(generic=request.param)
-    if got is None:
-        pytest.skip("no C compiler: the PyTorch ops run instead (tests/test_native_build.py)")
-    return got
+KERNEL = swiglu  # the `lib` fixture (conftest.py) builds its library both ways
 
 
 def _case(shape=(5, 7, 83), seed=0):  # 83: a row that is not a multiple of the vector width

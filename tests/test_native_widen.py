@@ -11,13 +11,7 @@ import torch
 from posttrain.models import _fused
 from posttrain.native import widen
 
-
-@pytest.fixture(params=[False, True], ids=["native", "generic"])
-def lib(request):
-    got = widen.library(generic=request.param)
-    if got is None:
-        pytest.skip("no C compiler: PyTorch's cast runs instead (tests/test_native_build.py)")
-    return got
+KERNEL = widen  # the `lib` fixture (conftest.py) builds its library both ways
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
