@@ -70,13 +70,27 @@ def kernel(reps: int) -> None:
         print(f"  {name:38s} {statistics.median(ts) * 1e3:7.1f} ms")
 
 
-def stage(steps: int, threads: int, model: str, completion: int, lora: bool) -> None:
+def updates(steps: int, threads: int, model: str, completion: int, lora: bool) -> list[float]:
+    """Our `grpo` stage on `model` (`_vs_trl_grpo`'s shape and data) for `steps` + 1 steps: each update's seconds."""
     import _vs_trl_grpo as g
 
+    update_s: list[float] = []
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir, data = g.prepare(Path(folder), max_seq_len=160)
+        if model == "smollm2":
+            from posttrain.models.gguf import smollm2_135m_instruct
+
+            model_dir = smollm2_135m_instruct()
+        g.run_ours(model_dir, data, steps, threads, bf16=True, completion=completion, lora=lora,
+                   on_step=lambda r: update_s.append(r["phase/update/seconds"]))
+    return update_s
+
+
+def stage(steps: int, threads: int, model: str, completion: int, lora: bool) -> None:
     from posttrain.models import weight_copies
     from posttrain.stages import _adamw
 
-    n, optimizer_s, update_s, reading = [0], {}, [], [True]
+    n, optimizer_s, reading = [0], {}, [True]
     wanted, fresh = weight_copies.wanted, weight_copies.fresh
     weight_copies.fresh = lambda weight, dtype: fresh(weight, dtype) if reading[0] else None
 
@@ -99,14 +113,7 @@ def stage(steps: int, threads: int, model: str, completion: int, lora: bool) -> 
 
     _adamw.AdamW.step = switching(_adamw.AdamW.step)
     torch.optim.AdamW.step = switching(torch.optim.AdamW.step)
-    with tempfile.TemporaryDirectory() as folder:
-        model_dir, data = g.prepare(Path(folder), max_seq_len=160)
-        if model == "smollm2":
-            from posttrain.models.gguf import smollm2_135m_instruct
-
-            model_dir = smollm2_135m_instruct()
-        g.run_ours(model_dir, data, steps, threads, bf16=True, completion=completion, lora=lora,
-                   on_step=lambda r: update_s.append(r["phase/update/seconds"]))
+    update_s = updates(steps, threads, model, completion, lora)
     rest: dict[bool, list[float]] = {True: [], False: []}
     opt: dict[bool, list[float]] = {True: [], False: []}
     for k in range(2, len(update_s)):
@@ -120,12 +127,9 @@ def stage(steps: int, threads: int, model: str, completion: int, lora: bool) -> 
 
 
 def widening(steps: int, threads: int, model: str, completion: int) -> None:
-    import _vs_trl_grpo as g
-
     from posttrain.native import widen
     from posttrain.stages import _adamw
 
-    n, update_s = [0], []
     usable = widen.usable
     on = [True]  # the first update's backward widens in C; then each optimizer step sets the next one's arm
     widen.usable = lambda t, dtype: usable(t, dtype) if on[0] else None
@@ -135,20 +139,12 @@ def widening(steps: int, threads: int, model: str, completion: int) -> None:
         def step(self, *args, **kwargs):
             out = real_step(self, *args, **kwargs)
             arms.append(on[0])
-            n[0] += 1
-            on[0] = (n[0] + 1) // 2 % 2 == 0  # on, off, off, on, on, off, …
+            on[0] = (len(arms) + 1) // 2 % 2 == 0  # on, off, off, on, on, off, …
             return out
         return step
 
     _adamw.AdamW.step = switching(_adamw.AdamW.step)
-    with tempfile.TemporaryDirectory() as folder:
-        model_dir, data = g.prepare(Path(folder), max_seq_len=160)
-        if model == "smollm2":
-            from posttrain.models.gguf import smollm2_135m_instruct
-
-            model_dir = smollm2_135m_instruct()
-        g.run_ours(model_dir, data, steps, threads, bf16=True, completion=completion,
-                   on_step=lambda r: update_s.append(r["phase/update/seconds"]))
+    update_s = updates(steps, threads, model, completion, lora=False)
     by: dict[bool, list[float]] = {True: [], False: []}
     for k in range(2, len(update_s)):
         by[arms[k]].append(update_s[k])
